@@ -1,0 +1,29 @@
+# `make demo` and `make test` work on a fresh machine with Python 3.11: they build .venv first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTEST_ARGS ?= -n 2
+
+.PHONY: demo test lint venv clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/guide.py
+
+test: $(STAMP)
+	$(PY) -m ruff check jaxckpt tests examples
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check jaxckpt tests examples
+	$(PY) -m ruff format --check jaxckpt tests examples
+
+clean:
+	rm -rf $(VENV) demo_ckpts

@@ -1,0 +1,57 @@
+"""jaxckpt: checkpoints for JAX and Flax, with named edges, stored by TensorStore.
+
+path = jaxckpt.save("easy_checkpoint", net)
+jaxckpt.restore(path, like=net)
+
+ckpt = jaxckpt.Checkpoint(step=1, optimizer=optimizer, net=net, iterator=iterator)
+path = ckpt.save("ckpts/ckpt")
+ckpt.restore(path).assert_consumed()
+"""
+
+from jaxckpt._checkpoint import (
+    Checkpoint,
+    RestoreStatus,
+    UnusedValuesWarning,
+    list_variables,
+    load_variable,
+    restore,
+    save,
+)
+from jaxckpt._errors import (
+    CheckpointCorruptedError,
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    JaxckptError,
+    MismatchError,
+    MissingKeyError,
+    NotACheckpointError,
+    RestoreAssertionError,
+    UnsupportedValueError,
+    UnsupportedVersionError,
+)
+from jaxckpt._format import FORMAT_VERSION
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Checkpoint",
+    "CheckpointCorruptedError",
+    "CheckpointExistsError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "JaxckptError",
+    "MismatchError",
+    "MissingKeyError",
+    "NotACheckpointError",
+    "RestoreAssertionError",
+    "RestoreStatus",
+    "UnsupportedValueError",
+    "UnsupportedVersionError",
+    "UnusedValuesWarning",
+    "list_variables",
+    "load_variable",
+    "restore",
+    "save",
+]

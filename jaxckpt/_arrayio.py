@@ -1,0 +1,199 @@
+"""Array I/O: every byte of array data goes through TensorStore (zarr3 arrays in one OCDBT database).
+
+The only module that imports tensorstore. A checkpoint's arrays live in one OCDBT key-value database
+(a handful of files however many arrays it holds), written in one transaction:
+
+- a large leaf is its own zarr3 array at ``a/<n>/``, chunked like its shards, each chunk ending in a
+  crc32c checksum (the zarr3 ``crc32c`` codec) that TensorStore verifies on every read;
+- small leaves are packed, end to end, into 1-D uint8 zarr3 arrays at ``p/<n>/`` (their crc32 is
+  in the index), so that ten thousand small leaves cost one write, not ten thousand.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from jaxckpt._errors import CheckpointCorruptedError
+from jaxckpt._tree import describe
+
+# Leaves up to this many bytes are packed; larger ones get a zarr3 array of their own.
+PACK_LEAF_LIMIT = 1 << 20
+# A pack is cut in chunks of this size, so that reading one small leaf reads little.
+PACK_CHUNK_BYTES = 4 << 20
+# A pack holds at most about this many bytes.
+PACK_TARGET_BYTES = 256 << 20
+# Chunks of a large array are its shards, split until each is at most this size.
+ARRAY_CHUNK_LIMIT = 64 << 20
+# Byte alignment of leaves inside a pack.
+PACK_ALIGN = 16
+
+# dtypes that the zarr3 driver of TensorStore stores natively; others are stored as unsigned ints
+# of the same width and reinterpreted on read.
+_NATIVE = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64"]
+    + ["complex64", "complex128", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+    + ["float8_e4m3b11fnuz", "float8_e3m4", "float8_e8m0fnu", "int4", "int2", "float4_e2m1fn"]
+)
+
+
+def stored_dtype(dtype: np.dtype) -> str:
+    return dtype.name if dtype.name in _NATIVE else f"uint{8 * dtype.itemsize}"
+
+
+def _context() -> ts.Context:
+    # No cache: every byte is read once, and a cache would only hold a second copy in memory.
+    return ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
+def _kvstore(directory: str) -> dict[str, Any]:
+    return {"driver": "ocdbt", "base": {"driver": "file", "path": os.fspath(directory) + "/"}}
+
+
+def _spec(directory: str, path: str) -> dict[str, Any]:
+    return {"driver": "zarr3", "kvstore": {**_kvstore(directory), "path": path + "/"}}
+
+
+def _metadata(shape: Sequence[int], dtype: str, chunks: Sequence[int], checksum: bool) -> dict[str, Any]:
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if checksum:
+        codecs.append({"name": "crc32c"})
+    return {
+        "shape": list(shape),
+        "data_type": dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, c) for c in chunks]}},
+        "codecs": codecs,
+    }
+
+
+def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> list[int]:
+    """The shard shape, halved along its largest dimension until a chunk is at most the limit."""
+    chunks = [max(1, c) for c in shard]
+    while math.prod(chunks) * itemsize > ARRAY_CHUNK_LIMIT and max(chunks) > 1:
+        i = max(range(len(chunks)), key=chunks.__getitem__)
+        chunks[i] = -(-chunks[i] // 2)
+    return chunks
+
+
+def host_shards(x: Any) -> tuple[list[int], list[tuple[tuple[slice, ...], np.ndarray]]]:
+    """The chunk-defining shard shape of ``x`` and the (index, host data) pairs this process writes.
+
+    A jax.Array contributes its addressable shards of replica 0 (each replicated shard once); numpy
+    data is one shard covering the whole array.
+    """
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+        shard_shape = list(x.sharding.shard_shape(x.shape))
+        parts = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
+        return shard_shape, parts
+    data = np.asarray(x)
+    return list(data.shape), [(tuple(slice(None) for _ in data.shape), data)]
+
+
+class Writer:
+    """Writes the arrays and packs of one checkpoint into ``directory`` in one transaction.
+
+    ``add_*`` only records what to write; :meth:`commit` opens every array at once, writes them all
+    and commits, so per-array costs overlap instead of adding up.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+        self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]]]] = []
+
+    def add_array(self, path: str, value: Any, dtype: np.dtype, shape: Sequence[int]) -> None:
+        shard_shape, parts = host_shards(value)
+        stored = stored_dtype(dtype)
+        if stored != dtype.name:
+            parts = [(index, data.view(stored)) for index, data in parts]
+        if math.prod(shape) == 0:
+            parts = []
+        metadata = _metadata(shape, stored, chunk_shape(shape, shard_shape, dtype.itemsize), checksum=True)
+        self._planned.append((path, metadata, parts))
+
+    def add_pack(self, path: str, buffer: np.ndarray) -> None:
+        metadata = _metadata([buffer.size], "uint8", [min(buffer.size, PACK_CHUNK_BYTES)], checksum=False)
+        self._planned.append((path, metadata, [((slice(None),), buffer)] if buffer.size else []))
+
+    def commit(self) -> None:
+        context = _context()
+        txn = ts.Transaction(atomic=True)
+        opens = [
+            ts.open(
+                {**_spec(self._directory, path), "metadata": metadata}, create=True, context=context, transaction=txn
+            )
+            for path, metadata, _ in self._planned
+        ]
+        writes = []
+        for (_, _, parts), future in zip(self._planned, opens):
+            store = future.result()
+            writes.extend(store[index].write(data) for index, data in parts)
+        for w in writes:
+            w.result()
+        txn.commit_async().result()
+
+
+def _corrupted(key: str, path: str, error: Exception) -> CheckpointCorruptedError:
+    return CheckpointCorruptedError(
+        f"Cannot read the data of {describe(key)} (array {path!r} in the checkpoint): {error}. "
+        "The checkpoint's files are damaged or truncated."
+    )
+
+
+class Reader:
+    """Reads arrays and pack spans of one checkpoint's data store, many at a time."""
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+        self._context = _context()
+
+    def open_arrays(self, requests: Iterable[tuple[str, str, str, Sequence[int]]]) -> dict[str, ts.TensorStore]:
+        """Opens each (key, path, stored dtype, shape), checking its metadata against the index."""
+        requests = list(requests)
+        futures = [
+            ts.open(_spec(self._directory, path), open=True, context=self._context) for _, path, _, _ in requests
+        ]
+        stores = {}
+        for (key, path, dtype, shape), future in zip(requests, futures):
+            try:
+                store = future.result()
+            except Exception as e:  # TensorStore reports damage as ValueError and friends
+                raise _corrupted(key, path, e) from e
+            if list(store.shape) != list(shape) or store.dtype.name != dtype:
+                raise CheckpointCorruptedError(
+                    f"The stored array of {describe(key)} has shape {tuple(store.shape)} and dtype "
+                    f"{store.dtype.name}, but the index says {tuple(shape)} and {dtype}; the checkpoint is inconsistent."
+                )
+            stores[key] = store
+        return stores
+
+    def read_regions(
+        self, key: str, path: str, store: ts.TensorStore, regions: Sequence[tuple[slice, ...]]
+    ) -> list[Any]:
+        """Starts reading each region; returns futures resolved by :func:`resolve`."""
+        return [(key, path, store[region].read()) for region in regions]
+
+    def read_pack_spans(self, path: str, nbytes: int, spans: Sequence[tuple[int, int]]) -> list[Any]:
+        """Starts reading byte spans (start, stop) of the pack at ``path``."""
+        try:
+            store = ts.open(_spec(self._directory, path), open=True, context=self._context).result()
+        except Exception as e:
+            raise _corrupted("", path, e) from e
+        if list(store.shape) != [nbytes] or store.dtype.name != "uint8":
+            raise CheckpointCorruptedError(
+                f"The pack {path!r} is not {nbytes} bytes of uint8; the checkpoint is inconsistent."
+            )
+        return [("", path, store[a:b].read()) for a, b in spans]
+
+
+def resolve(pending: Any) -> np.ndarray:
+    key, path, future = pending
+    try:
+        return future.result()
+    except Exception as e:
+        raise _corrupted(key, path, e) from e

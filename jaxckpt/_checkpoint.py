@@ -1,0 +1,339 @@
+"""``Checkpoint``, its restore status, and the one-call ``save`` / ``restore`` functions."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from jaxckpt import _save
+from jaxckpt._errors import MismatchError, RestoreAssertionError
+from jaxckpt._format import ValueLeaf
+from jaxckpt._restore import NO_TEMPLATE, Opened
+from jaxckpt._tree import CHECKPOINT, build, escape_edge, flatten, join, rebuild
+
+PathLike = str | os.PathLike[str]
+SAVE_COUNTER = "save_counter"
+
+
+class UnusedValuesWarning(UserWarning):
+    """A restore left checkpoint values unused and ``expect_partial()`` was not called."""
+
+
+def _summarize(keys: Iterable[str], limit: int = 20) -> str:
+    keys = list(keys)
+    shown = "\n".join(f"    {k}" for k in keys[:limit])
+    more = f"\n    ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return shown + more
+
+
+def _object_leaves(obj: Any, key: str) -> list[str]:
+    """Leaf keys of ``obj`` at ``key``, without the save counters of nested Checkpoints."""
+    flat = flatten(obj, key)
+    counters = {join(k, SAVE_COUNTER) for k, info in flat.nodes.items() if info.kind == CHECKPOINT}
+    return [k for k in flat.leaves if k not in counters]
+
+
+class RestoreStatus:
+    """What a restore matched, and assertions about it.
+
+    The status is live: values restored later, when a child is assigned to a Checkpoint that was
+    waiting for it (a delayed restore), are counted as they happen.
+    """
+
+    def __init__(self, opened: Opened | None) -> None:
+        self._opened = opened
+        self._used: set[str] = set()
+        self._missing: set[str] = set()
+        self._partial_ok = False
+
+    @property
+    def matched_keys(self) -> list[str]:
+        """Checkpoint keys whose values went into an object."""
+        return [k for k in self._all_keys() if k in self._used]
+
+    @property
+    def unused_keys(self) -> list[str]:
+        """Checkpoint keys that found no object (yet)."""
+        return [k for k in self._all_keys() if k not in self._used]
+
+    @property
+    def missing_keys(self) -> list[str]:
+        """Keys of objects that found no value in the checkpoint."""
+        return sorted(self._missing)
+
+    def _all_keys(self) -> list[str]:
+        return self._opened.index.keys_under("") if self._opened else []
+
+    def _require_restore(self, what: str) -> None:
+        if self._opened is None:
+            raise RestoreAssertionError(
+                f"{what} failed: nothing was restored (restore(None) starts from scratch and matches nothing)."
+            )
+
+    def assert_consumed(self) -> RestoreStatus:
+        """Every checkpoint value matched an object, and every object got a value."""
+        self._require_restore("assert_consumed")
+        unused, missing = self.unused_keys, self.missing_keys
+        if unused or missing:
+            parts = [f"Restore from {str(self._opened.path)!r} did not match one to one."]
+            if unused:
+                parts.append(f"  {len(unused)} checkpoint value(s) found no object:\n{_summarize(unused)}")
+            if missing:
+                parts.append(f"  {len(missing)} object(s) found no value in the checkpoint:\n{_summarize(missing)}")
+            raise RestoreAssertionError("\n".join(parts))
+        return self
+
+    def assert_existing_objects_matched(self) -> RestoreStatus:
+        """Every object present now got a value (unused checkpoint values are fine)."""
+        self._require_restore("assert_existing_objects_matched")
+        if self._missing:
+            raise RestoreAssertionError(
+                f"Restore from {str(self._opened.path)!r}: {len(self._missing)} object(s) found no value "
+                f"in the checkpoint:\n{_summarize(self.missing_keys)}"
+            )
+        return self
+
+    def assert_nontrivial_match(self) -> RestoreStatus:
+        """At least one value was restored."""
+        self._require_restore("assert_nontrivial_match")
+        if not self._used:
+            raise RestoreAssertionError(f"Restore from {str(self._opened.path)!r} matched no object at all.")
+        return self
+
+    def expect_partial(self) -> RestoreStatus:
+        """Silence the warning about unused checkpoint values."""
+        self._partial_ok = True
+        return self
+
+    def __repr__(self) -> str:
+        if self._opened is None:
+            return "RestoreStatus(nothing restored)"
+        return (
+            f"RestoreStatus({str(self._opened.path)!r}: {len(self._used)} matched, "
+            f"{len(self.unused_keys)} unused, {len(self._missing)} missing)"
+        )
+
+    def __del__(self) -> None:
+        if self._opened is None or self._partial_ok:
+            return
+        unused = self.unused_keys
+        if unused:
+            warnings.warn(
+                f"{len(unused)} value(s) in {str(self._opened.path)!r} were never restored into an object:\n"
+                f"{_summarize(unused, 5)}\nCall status.expect_partial() if this is intended.",
+                UnusedValuesWarning,
+                stacklevel=2,
+            )
+
+
+class _Restore:
+    """One restore of a checkpoint into a graph of Checkpoint objects."""
+
+    def __init__(self, opened: Opened, status: RestoreStatus) -> None:
+        self.opened = opened
+        self.status = status
+        self.jobs: list[tuple[Checkpoint, str, Any, str]] = []  # (owner, name, value, key)
+
+    def gather(self, ckpt: Checkpoint, key: str) -> None:
+        """Plan the restore of ``ckpt`` (at ``key``): its children now, its absent edges later."""
+        info = self.opened.index.nodes.get(key)
+        saved = set(info.keys) if info is not None else set()
+        for name, child in ckpt._children.items():
+            child_key = join(key, escape_edge(name))
+            if name not in saved:
+                self.status._missing.update(_object_leaves(child, child_key))
+            elif isinstance(child, Checkpoint):
+                self.gather(child, child_key)
+            else:
+                self.jobs.append((ckpt, name, child, child_key))
+        if SAVE_COUNTER in saved and isinstance(self.opened.index.leaves.get(join(key, SAVE_COUNTER)), ValueLeaf):
+            self.jobs.append((ckpt, SAVE_COUNTER, ckpt.save_counter, join(key, SAVE_COUNTER)))
+        for name in saved - set(ckpt._children) - {SAVE_COUNTER}:
+            if isinstance(name, str):
+                ckpt._pending[name] = (self, join(key, escape_edge(name)))
+
+    def run(self) -> None:
+        leaves = self.opened.index.leaves
+        wanted: dict[str, Any] = {}
+        for _, _, value, key in self.jobs:
+            for k, template in flatten(value, key).leaves.items():
+                if k in leaves:
+                    wanted[k] = template
+                else:
+                    self.status._missing.add(k)
+        values = self.opened.load(wanted)
+        for owner, name, value, key in self.jobs:
+            owner._jaxckpt_set(name, rebuild(value, values, key))
+        self.status._used.update(wanted)
+        self.jobs.clear()
+
+    def deferred(self, ckpt: Checkpoint, name: str, value: Any, key: str) -> Any:
+        """Restore a child assigned after ``restore()``; returns what to store."""
+        if isinstance(value, Checkpoint):
+            self.gather(value, key)
+            self.run()
+            return value
+        self.jobs.append((ckpt, name, value, key))
+        self.run()
+        return ckpt._children[name]
+
+
+class Checkpoint:
+    """A graph of named children, saved and restored together.
+
+    Children are keyword arguments or attributes: pytrees of arrays and Python values, Flax NNX
+    modules and optimizers (restored in place), objects with ``get_state()`` / ``set_state()``
+    (a data iterator's position), and nested Checkpoints. Their edges name the checkpoint's keys::
+
+        ckpt = jaxckpt.Checkpoint(step=0, net=net, optimizer=optimizer)
+        path = ckpt.save("ckpts/ckpt")          # "ckpts/ckpt-1"
+        ckpt.restore(path).assert_consumed()
+    """
+
+    def __init__(self, **children: Any) -> None:
+        object.__setattr__(self, "_children", {})
+        object.__setattr__(self, "_pending", {})
+        object.__setattr__(self, SAVE_COUNTER, 0)
+        for name, value in children.items():
+            setattr(self, name, value)
+
+    # --- children ------------------------------------------------------------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_") or name == SAVE_COUNTER:
+            if name == SAVE_COUNTER and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise TypeError(f"save_counter must be a non-negative int, not {value!r}.")
+            object.__setattr__(self, name, value)
+            return
+        if hasattr(type(self), name):
+            raise AttributeError(f"A Checkpoint child cannot be named {name!r}: that is a Checkpoint method.")
+        pending = self._pending.pop(name, None)
+        self._children[name] = value
+        if pending is not None:
+            restore, key = pending
+            self._children[name] = restore.deferred(self, name, value, key)
+
+    def __getattr__(self, name: str) -> Any:
+        children = self.__dict__.get("_children", {})
+        if name in children:
+            return children[name]
+        raise AttributeError(f"This Checkpoint has no child {name!r}; its children are {sorted(children)}.")
+
+    def __delattr__(self, name: str) -> None:
+        if name not in self._children:
+            raise AttributeError(f"This Checkpoint has no child {name!r}.")
+        del self._children[name]
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self._children))
+
+    def __repr__(self) -> str:
+        kids = ", ".join(f"{k}={type(v).__name__}" for k, v in self._children.items())
+        return f"Checkpoint({kids})"
+
+    def _jaxckpt_children(self) -> dict[str, Any]:
+        return {**self._children, SAVE_COUNTER: self.save_counter}
+
+    def _jaxckpt_set(self, name: str, value: Any) -> None:
+        if name == SAVE_COUNTER:
+            object.__setattr__(self, SAVE_COUNTER, int(value))
+        else:
+            self._children[name] = value
+
+    # --- saving and restoring ------------------------------------------------------------------
+
+    def save(self, file_prefix: PathLike) -> str:
+        """Write a new numbered checkpoint ``<file_prefix>-<n>``; returns its path.
+
+        ``n`` is ``save_counter`` after incrementing it; the counter is saved too, so numbering
+        continues after a restore.
+        """
+        self.save_counter += 1
+        try:
+            return self.write(f"{os.fspath(file_prefix)}-{self.save_counter}")
+        except BaseException:
+            self.save_counter -= 1
+            raise
+
+    def write(self, path: PathLike, *, overwrite: bool = False) -> str:
+        """Write a checkpoint at exactly ``path`` (no numbering); returns ``path``."""
+        return _save.write(path, self, overwrite=overwrite)
+
+    def restore(self, save_path: PathLike | None) -> RestoreStatus:
+        """Restore values from ``save_path`` into the children; ``None`` restores nothing.
+
+        Children are matched by edge name. Values whose edge has no child yet wait, and are restored
+        when the child is assigned. The returned status says what matched.
+        """
+        if save_path is None:
+            return RestoreStatus(None)
+        opened = Opened(save_path)
+        status = RestoreStatus(opened)
+        restore = _Restore(opened, status)
+        restore.gather(self, "")
+        restore.run()
+        return status
+
+    def read(self, save_path: PathLike) -> RestoreStatus:
+        """Same as :meth:`restore`, for a checkpoint written by :meth:`write`."""
+        return self.restore(save_path)
+
+
+def save(path: PathLike, tree: Any, *, overwrite: bool = False) -> str:
+    """Save a pytree, a Flax NNX module, or any supported object as a checkpoint at ``path``.
+
+    Refuses to replace an existing checkpoint unless ``overwrite=True``. Returns ``path``.
+    """
+    return _save.write(path, tree, overwrite=overwrite)
+
+
+def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False) -> Any:
+    """Restore the checkpoint at ``path``.
+
+    With ``like`` (what you hold now), values come back with its structure, container types, dtypes
+    and shardings; NNX modules and state objects in it are updated in place. Keys must match one to
+    one unless ``partial=True`` (then unmatched leaves of ``like`` keep their values). Without
+    ``like``, containers are rebuilt as saved and arrays come back as numpy.
+    """
+    opened = Opened(path)
+    index = opened.index
+    if like is NO_TEMPLATE:
+        return build(index.nodes, opened.load(dict.fromkeys(index.leaves, NO_TEMPLATE)))
+    templates = flatten(like).leaves
+    wanted = {k: t for k, t in templates.items() if k in index.leaves}
+    if not partial:
+        missing = [k for k in templates if k not in index.leaves]
+        unused = [k for k in index.keys_under("") if k not in templates]
+        if missing or unused:
+            parts = [f"The checkpoint {str(opened.path)!r} does not match the structure of `like`."]
+            if missing:
+                parts.append(f"  In `like` but not in the checkpoint ({len(missing)}):\n{_summarize(missing)}")
+            if unused:
+                parts.append(f"  In the checkpoint but not in `like` ({len(unused)}):\n{_summarize(unused)}")
+            parts.append("Pass partial=True to restore only the keys in common.")
+            raise MismatchError("\n".join(parts))
+    return rebuild(like, opened.load(wanted))
+
+
+def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:
+    """``(key, shape)`` of every value in the checkpoint, sorted by key, without the model code.
+
+    Python values and object states have shape ``()``; a PRNG key array has its key shape.
+    """
+    index = Opened(path).index
+    out = []
+    for key, leaf in index.leaves.items():
+        if isinstance(leaf, ValueLeaf):
+            out.append((key, ()))
+        else:
+            out.append((key, leaf.shape[:-1] if leaf.prng_impl else leaf.shape))
+    return sorted(out)
+
+
+def load_variable(path: PathLike, key: str) -> Any:
+    """One value of the checkpoint: arrays as numpy, Python values and object states as saved."""
+    opened = Opened(path)
+    opened.leaf(key)
+    return opened.load({key: NO_TEMPLATE})[key]

@@ -1,0 +1,65 @@
+"""Every exception jaxckpt raises on purpose.
+
+    JaxckptError
+    ├── CheckpointNotFoundError      (also FileNotFoundError) nothing at that path
+    │   └── NotACheckpointError      something is there, but not a finished checkpoint
+    ├── CheckpointExistsError        (also FileExistsError) save would overwrite a checkpoint
+    ├── CheckpointFormatError        (also ValueError) the index cannot be trusted
+    │   ├── UnsupportedVersionError  written by a newer jaxckpt
+    │   └── CheckpointCorruptedError damaged or truncated data, checksum mismatch
+    ├── MismatchError                (also ValueError) checkpoint value does not fit its object
+    ├── MissingKeyError              (also KeyError) a key is not in the checkpoint
+    ├── UnsupportedValueError        (also TypeError) a value jaxckpt cannot save
+    └── RestoreAssertionError        (also AssertionError) a restore status assertion failed
+
+Messages name the key, what was expected, what was found, and what to do.
+"""
+
+from __future__ import annotations
+
+
+class JaxckptError(Exception):
+    """Root of every exception that jaxckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(JaxckptError, FileNotFoundError):
+    """No checkpoint exists at the given path."""
+
+
+class NotACheckpointError(CheckpointNotFoundError):
+    """The path exists but holds no finished checkpoint (no valid index)."""
+
+
+class CheckpointExistsError(JaxckptError, FileExistsError):
+    """A save would replace an existing checkpoint without ``overwrite=True``."""
+
+
+class CheckpointFormatError(JaxckptError, ValueError):
+    """The checkpoint's index is malformed, unsafe, or inconsistent with its data."""
+
+
+class UnsupportedVersionError(CheckpointFormatError):
+    """The checkpoint was written in a format version this jaxckpt cannot read."""
+
+
+class CheckpointCorruptedError(CheckpointFormatError):
+    """Stored bytes are damaged: a checksum does not match, or data is truncated."""
+
+
+class MismatchError(JaxckptError, ValueError):
+    """A checkpoint value does not fit the object it is restored into."""
+
+
+class MissingKeyError(JaxckptError, KeyError):
+    """A requested key is not in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsupportedValueError(JaxckptError, TypeError):
+    """A value of a type that jaxckpt cannot save or restore."""
+
+
+class RestoreAssertionError(JaxckptError, AssertionError):
+    """A restore status assertion (``assert_consumed`` and friends) failed."""

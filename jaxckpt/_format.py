@@ -1,0 +1,350 @@
+"""The index: what a checkpoint holds, as plain JSON, versioned and checksummed.
+
+The README's "Format" section is the specification; this module writes and parses it. Parsing is
+defensive: a crafted index can only produce a :class:`CheckpointFormatError`, never a path outside the
+checkpoint, an object dtype, or an allocation that its own data does not back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, UnsupportedVersionError
+from jaxckpt._tree import NODE_KINDS, NodeInfo, child_keys, describe
+
+FORMAT_NAME = "jaxckpt"
+FORMAT_VERSION = 1
+INDEX_FILE = "index.json"
+DATA_DIR = "data"  # an OCDBT database holding every zarr3 array of the checkpoint
+
+MAX_RANK = 64
+_ARRAY_PATH = re.compile(r"^a/[0-9]{1,9}$")
+_PACK_PATH = re.compile(r"^p/[0-9]{1,9}$")
+
+# Container of an array leaf: how it comes back without a template.
+JAX, NUMPY, NUMPY_SCALAR = "jax", "numpy", "numpy_scalar"
+SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _dtype_table() -> dict[str, np.dtype]:
+    names = ["bool"]
+    names += [f"{p}int{b}" for p in ("", "u") for b in (8, 16, 32, 64)]
+    names += ["float16", "float32", "float64", "complex64", "complex128"]
+    table = {n: np.dtype(n) for n in names}
+    for n in (
+        "bfloat16", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz",
+        "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn",
+        "int2", "int4", "uint2", "uint4",
+    ):  # fmt: skip
+        if hasattr(ml_dtypes, n):
+            table[n] = np.dtype(getattr(ml_dtypes, n))
+    return table
+
+
+DTYPES: dict[str, np.dtype] = _dtype_table()
+
+
+def dtype_name(dtype: np.dtype) -> str | None:
+    """The index name of a dtype, or None if jaxckpt cannot store it."""
+    name = np.dtype(dtype).name
+    return name if name in DTYPES and DTYPES[name] == dtype else None
+
+
+# --- records -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class InArray:
+    """The leaf is its own zarr3 array at ``path`` in the data store, stored as ``stored`` dtype."""
+
+    path: str
+    stored: str
+
+
+@dataclasses.dataclass(frozen=True)
+class InPack:
+    """The leaf is ``nbytes`` little-endian C-order bytes at ``offset`` in pack ``pack``."""
+
+    pack: int
+    offset: int
+    nbytes: int
+    crc32: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayLeaf:
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    container: str  # JAX, NUMPY or NUMPY_SCALAR
+    at: InArray | InPack
+    prng_impl: str | None = None  # typed PRNG keys: dtype/shape are those of the key data
+    sharding: str | None = None  # how it was sharded when saved (informational)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueLeaf:
+    """A Python scalar, str or None (``type`` in SCALAR_TYPES or "none"), or a JSON ``state``."""
+
+    type: str
+    value: Any
+
+
+Leaf = ArrayLeaf | ValueLeaf
+
+
+@dataclasses.dataclass(frozen=True)
+class Pack:
+    path: str
+    nbytes: int
+
+
+@dataclasses.dataclass
+class Index:
+    nodes: dict[str, NodeInfo]
+    leaves: dict[str, Leaf]
+    packs: list[Pack]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """Leaf keys at or below ``prefix``, in graph order."""
+        out: list[str] = []
+
+        def walk(key: str) -> None:
+            info = self.nodes.get(key)
+            if info is None:
+                if key in self.leaves:
+                    out.append(key)
+                return
+            for k in child_keys(key, info):
+                walk(k)
+
+        walk(prefix)
+        return out
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def _float_to_json(x: float) -> float | str:
+    return x if math.isfinite(x) else repr(x)  # "nan", "inf", "-inf"
+
+
+def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
+    if isinstance(leaf, ValueLeaf):
+        value = _float_to_json(leaf.value) if leaf.type == "float" else leaf.value
+        return {"type": leaf.type, "value": value}
+    out: dict[str, Any] = {
+        "type": "prng_key" if leaf.prng_impl else "array",
+        "dtype": leaf.dtype.name,
+        "shape": list(leaf.shape),
+        "container": leaf.container,
+    }
+    if leaf.prng_impl:
+        out["impl"] = leaf.prng_impl
+    if leaf.sharding:
+        out["sharding"] = leaf.sharding
+    at = leaf.at
+    if isinstance(at, InArray):
+        out["at"] = {"array": at.path, "stored": at.stored}
+    else:
+        out["at"] = {"pack": at.pack, "offset": at.offset, "nbytes": at.nbytes, "crc32": at.crc32}
+    return out
+
+
+def _canonical(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def encode_index(index: Index) -> bytes:
+    body = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "metadata": index.metadata,
+        "nodes": {k: {"kind": n.kind, "class": n.cls, "keys": list(n.keys)} for k, n in index.nodes.items()},
+        "leaves": {k: _leaf_to_json(v) for k, v in index.leaves.items()},
+        "packs": [{"path": p.path, "nbytes": p.nbytes} for p in index.packs],
+    }
+    body["checksum"] = f"crc32:{zlib.crc32(_canonical(body)):08x}"
+    return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False, allow_nan=False).encode() + b"\n"
+
+
+# --- parsing -----------------------------------------------------------------------------------
+
+
+def _fail(where: str, msg: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"Invalid checkpoint index {where}: {msg}")
+
+
+def _get(obj: Any, name: str, types: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise _fail(where, f"expected a JSON object, found {type(obj).__name__}")
+    if name not in obj:
+        raise _fail(where, f"missing field {name!r}")
+    value = obj[name]
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+        raise _fail(where, f"field {name!r} has type {type(value).__name__}")
+    return value
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _nonneg_int(obj: Any, name: str, where: str) -> int:
+    value = _get(obj, name, int, where)
+    if value < 0:
+        raise _fail(where, f"field {name!r} is negative")
+    return value
+
+
+def decode_index(data: bytes, where: str) -> Index:
+    """Parse and validate an index; ``where`` names the file in messages."""
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointCorruptedError(f"The checkpoint index {where} is not valid JSON ({e}); it is damaged.") from e
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise CheckpointFormatError(f'{where} is not a jaxckpt index (no "format": "jaxckpt" field).')
+    version = body.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise _fail(where, "field 'version' is not an integer")
+    if version > FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"{where} has format version {version}; this jaxckpt reads versions up to {FORMAT_VERSION}. "
+            "Upgrade jaxckpt to read it."
+        )
+    if version < 1:
+        raise _fail(where, f"unknown format version {version}")
+    checksum = body.pop("checksum", None)
+    expected = f"crc32:{zlib.crc32(_canonical(body)):08x}"
+    if checksum != expected:
+        raise CheckpointCorruptedError(
+            f"The checkpoint index {where} fails its checksum (recorded {checksum!r}, computed {expected!r}); "
+            "the file was modified or damaged."
+        )
+    nodes = _parse_nodes(_get(body, "nodes", dict, where), where)
+    packs = [_parse_pack(p, f"{where} packs[{i}]") for i, p in enumerate(_get(body, "packs", list, where))]
+    leaves = {}
+    for key, raw in _get(body, "leaves", dict, where).items():
+        leaves[key] = _parse_leaf(raw, packs, f"{where} leaf {describe(key)}")
+    _check_graph(nodes, leaves, where)
+    metadata = body.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise _fail(where, "field 'metadata' is not an object")
+    return Index(nodes, leaves, packs, metadata)
+
+
+def _parse_nodes(raw: dict[str, Any], where: str) -> dict[str, NodeInfo]:
+    nodes = {}
+    for key, node in raw.items():
+        w = f"{where} node {describe(key)}"
+        kind = _get(node, "kind", str, w)
+        if kind not in NODE_KINDS:
+            raise _fail(w, f"unknown node kind {kind!r}")
+        keys = _get(node, "keys", list, w)
+        for k in keys:
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise _fail(w, f"child key {k!r} is neither a string nor an integer")
+        if len(set(map(repr, keys))) != len(keys):
+            raise _fail(w, "duplicate child keys")
+        nodes[key] = NodeInfo(kind, _get(node, "class", str, w), tuple(keys))
+    return nodes
+
+
+def _parse_pack(raw: Any, where: str) -> Pack:
+    path = _get(raw, "path", str, where)
+    if not _PACK_PATH.match(path):
+        raise _fail(where, f"pack path {path!r} is not of the form 'p/<n>'")
+    return Pack(path, _nonneg_int(raw, "nbytes", where))
+
+
+def _parse_leaf(raw: Any, packs: list[Pack], where: str) -> Leaf:
+    kind = _get(raw, "type", str, where)
+    if kind == "none":
+        return ValueLeaf("none", None)
+    if kind == "state":
+        return ValueLeaf("state", _get(raw, "value", (dict, list, str, int, float, bool, type(None)), where))
+    if kind in SCALAR_TYPES:
+        if kind == "float":
+            value = _get(raw, "value", (int, float, str), where)
+            if isinstance(value, str):
+                if value not in ("nan", "inf", "-inf"):
+                    raise _fail(where, f"float value {value!r}")
+                value = float(value)
+            return ValueLeaf(kind, float(value))
+        return ValueLeaf(kind, _get(raw, "value", SCALAR_TYPES[kind], where))
+    if kind not in ("array", "prng_key"):
+        raise _fail(where, f"unknown leaf type {kind!r}")
+    name = _get(raw, "dtype", str, where)
+    if name not in DTYPES:
+        raise _fail(where, f"unsupported dtype {name!r}")
+    dtype = DTYPES[name]
+    shape = _get(raw, "shape", list, where)
+    if len(shape) > MAX_RANK or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise _fail(where, f"shape {shape!r} is not a list of non-negative integers")
+    container = _get(raw, "container", str, where)
+    if container not in (JAX, NUMPY, NUMPY_SCALAR):
+        raise _fail(where, f"unknown container {container!r}")
+    impl = _get(raw, "impl", str, where) if kind == "prng_key" else None
+    sharding = raw.get("sharding")
+    if sharding is not None and not isinstance(sharding, str):
+        raise _fail(where, "field 'sharding' is not a string")
+    at_raw = _get(raw, "at", dict, where)
+    nbytes = math.prod(shape) * dtype.itemsize
+    at: InArray | InPack
+    if "array" in at_raw:
+        path = _get(at_raw, "array", str, where)
+        if not _ARRAY_PATH.match(path):
+            raise _fail(where, f"array path {path!r} is not of the form 'a/<n>'")
+        stored = _get(at_raw, "stored", str, where)
+        if stored not in DTYPES or DTYPES[stored].itemsize != dtype.itemsize:
+            raise _fail(where, f"stored dtype {stored!r} does not fit dtype {name!r}")
+        at = InArray(path, stored)
+    else:
+        pack = _nonneg_int(at_raw, "pack", where)
+        offset = _nonneg_int(at_raw, "offset", where)
+        size = _nonneg_int(at_raw, "nbytes", where)
+        if pack >= len(packs) or offset + size > packs[pack].nbytes:
+            raise _fail(where, f"bytes {offset}..{offset + size} lie outside pack {pack}")
+        if size != nbytes:
+            raise _fail(where, f"{size} stored bytes cannot hold shape {tuple(shape)} of {name}")
+        at = InPack(pack, offset, size, _nonneg_int(at_raw, "crc32", where))
+    return ArrayLeaf(dtype, tuple(shape), container, at, impl, sharding)
+
+
+def _check_graph(nodes: dict[str, NodeInfo], leaves: dict[str, Leaf], where: str) -> None:
+    """Every node and leaf is reachable from the root exactly once, and nothing is both."""
+    if "" not in nodes and "" not in leaves:
+        raise _fail(where, "it has no root")
+    both = nodes.keys() & leaves.keys()
+    if both:
+        raise _fail(where, f"{describe(min(both))} is both a node and a leaf")
+    seen_nodes, seen_leaves = 0, 0
+    stack = [""]
+    while stack:
+        key = stack.pop()
+        info = nodes.get(key)
+        if info is None:
+            if key not in leaves:
+                raise _fail(where, f"{describe(key)} is listed as a child but has no entry")
+            seen_leaves += 1
+            continue
+        seen_nodes += 1
+        if seen_nodes > len(nodes):
+            raise _fail(where, "the node graph has a cycle")
+        stack.extend(child_keys(key, info))
+    if seen_nodes != len(nodes) or seen_leaves != len(leaves):
+        raise _fail(where, "it has entries that are not reachable from the root")

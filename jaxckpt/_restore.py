@@ -1,0 +1,252 @@
+"""Restoring: index records and stored bytes become values shaped like what the user holds now.
+
+A *template* is the value an object holds now at a key: a jax.Array (restored with its sharding),
+a ``jax.ShapeDtypeStruct`` (becomes a concrete array with its sharding), a numpy array or scalar, a
+Python scalar or None, or an object with ``set_state``. Without a template (:data:`NO_TEMPLATE`),
+arrays come back as numpy and values as saved.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt import _arrayio, _storage
+from jaxckpt._errors import CheckpointCorruptedError, MismatchError, MissingKeyError, UnsupportedValueError
+from jaxckpt._format import (
+    DATA_DIR,
+    INDEX_FILE,
+    NUMPY_SCALAR,
+    SCALAR_TYPES,
+    ArrayLeaf,
+    Index,
+    InPack,
+    Leaf,
+    ValueLeaf,
+    decode_index,
+)
+from jaxckpt._tree import describe, is_state_object
+
+NO_TEMPLATE = object()
+# Byte gaps up to this size between wanted pack spans are read through rather than split.
+_SPAN_GAP = 1 << 20
+
+
+def _what(leaf: Leaf) -> str:
+    if isinstance(leaf, ValueLeaf):
+        return {"none": "None", "state": "an object state (JSON)"}.get(
+            leaf.type, f"a Python {leaf.type} ({leaf.value!r})"
+        )
+    if leaf.prng_impl:
+        return f"a PRNG key array ({leaf.prng_impl}) of shape {leaf.shape[: len(leaf.shape) - 1]}"
+    return f"a {leaf.dtype.name} array of shape {leaf.shape}"
+
+
+def _expected(template: Any) -> str:
+    if template is None:
+        return "None"
+    if isinstance(template, (bool, int, float, str)):
+        return f"a Python {type(template).__name__}"
+    if is_state_object(template):
+        return f"an object state (for {type(template).__name__}.set_state)"
+    if jax.dtypes.issubdtype(template.dtype, jax.dtypes.prng_key):
+        return f"a PRNG key array ({jax.random.key_impl(template)}) of shape {tuple(template.shape)}"
+    return f"a {np.dtype(template.dtype).name} array of shape {tuple(template.shape)}"
+
+
+def _mismatch(key: str, leaf: Leaf, template: Any, detail: str = "") -> MismatchError:
+    return MismatchError(
+        f"Cannot restore {describe(key)}: the checkpoint holds {_what(leaf)}, "
+        f"but the object expects {_expected(template)}.{detail}"
+    )
+
+
+def _is_array_template(t: Any) -> bool:
+    return isinstance(t, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic))
+
+
+def check(key: str, leaf: Leaf, template: Any) -> None:
+    """Raise a MismatchError naming ``key`` if ``leaf`` cannot restore into ``template``."""
+    if template is NO_TEMPLATE:
+        return
+    if template is None:
+        if not (isinstance(leaf, ValueLeaf) and leaf.type == "none"):
+            raise _mismatch(key, leaf, template)
+        return
+    if is_state_object(template):
+        if not (isinstance(leaf, ValueLeaf) and leaf.type == "state"):
+            raise _mismatch(key, leaf, template)
+        return
+    if isinstance(template, (bool, int, float, str)):
+        want = type(template).__name__ if type(template).__name__ in SCALAR_TYPES else None
+        if isinstance(leaf, ValueLeaf) and leaf.type == want:
+            return
+        if isinstance(leaf, ArrayLeaf) and leaf.shape == () and not leaf.prng_impl and want != "str":
+            kinds = {"bool": "b", "int": "biu", "float": "biuf"}[want]
+            if leaf.dtype.kind in kinds:
+                return
+        raise _mismatch(key, leaf, template)
+    if not _is_array_template(template):
+        raise UnsupportedValueError(
+            f"Cannot restore into {describe(key)}: the object holds a {type(template).__name__}, which jaxckpt "
+            "cannot restore into. Hold an array, a jax.ShapeDtypeStruct, a Python scalar or a pytree of them there."
+        )
+    is_key = jax.dtypes.issubdtype(template.dtype, jax.dtypes.prng_key)
+    if isinstance(leaf, ValueLeaf):
+        if is_key or template.shape != () or leaf.type not in ("bool", "int", "float"):
+            raise _mismatch(key, leaf, template)
+        return
+    if is_key != bool(leaf.prng_impl):
+        raise _mismatch(key, leaf, template)
+    if is_key:
+        impl = str(jax.random.key_impl(template))
+        if impl != leaf.prng_impl or tuple(template.shape) != leaf.shape[:-1]:
+            raise _mismatch(key, leaf, template)
+        return
+    if tuple(template.shape) != leaf.shape or np.dtype(template.dtype) != leaf.dtype:
+        raise _mismatch(key, leaf, template)
+
+
+def _target_sharding(template: Any) -> jax.sharding.Sharding | None:
+    if isinstance(template, jax.Array):
+        return template.sharding
+    if isinstance(template, jax.ShapeDtypeStruct):
+        return template.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return None
+
+
+def _finish(leaf: Leaf, template: Any, data: Any) -> Any:
+    """The restored value: ``data`` (host numpy or a jax.Array) shaped as ``template`` wants."""
+    if isinstance(leaf, ValueLeaf):
+        value = leaf.value
+        if template is NO_TEMPLATE or template is None or isinstance(template, (bool, int, float, str)):
+            return value
+        if is_state_object(template):
+            template.set_state(value)
+            return template
+        data = np.asarray(value, dtype=template.dtype)
+    if template is NO_TEMPLATE:
+        if leaf.prng_impl:
+            return jax.random.wrap_key_data(np.asarray(data), impl=leaf.prng_impl)
+        return data[()] if leaf.container == NUMPY_SCALAR else data
+    if isinstance(template, (bool, int, float)):
+        return type(template)(np.asarray(data).item())
+    if isinstance(template, np.generic):
+        return np.asarray(data)[()]
+    if isinstance(template, np.ndarray):
+        return np.asarray(data)
+    sharding = _target_sharding(template)
+    if leaf.prng_impl:
+        keys = jax.random.wrap_key_data(np.asarray(data), impl=leaf.prng_impl)
+        return jax.device_put(keys, sharding)
+    if isinstance(data, jax.Array):
+        return data
+    return jax.device_put(np.asarray(data), sharding)
+
+
+def _hashable(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+class Opened:
+    """One checkpoint opened for reading: its index, and batched reads of its values."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = _storage.local_path(path)
+        where = repr(str(self.path / INDEX_FILE))
+        self.index: Index = decode_index(_storage.read_index_bytes(self.path), where)
+        self._reader = _arrayio.Reader(str(self.path / DATA_DIR))
+
+    def leaf(self, key: str) -> Leaf:
+        try:
+            return self.index.leaves[key]
+        except KeyError:
+            raise MissingKeyError(_missing_key_message(self.index, key, str(self.path))) from None
+
+    def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
+        """Values for ``{key: template}``: checked first, then read in one batch."""
+        for key, template in wanted.items():
+            check(key, self.leaf(key), template)
+        data: dict[str, Any] = {}
+        packed: dict[int, list[str]] = defaultdict(list)
+        arrays: list[str] = []
+        for key in wanted:
+            leaf = self.index.leaves[key]
+            if isinstance(leaf, ArrayLeaf):
+                (packed[leaf.at.pack] if isinstance(leaf.at, InPack) else arrays).append(key)
+        for pack, keys in packed.items():
+            data.update(self._read_packed(pack, keys))
+        data.update(self._read_arrays({k: wanted[k] for k in arrays}))
+        return {key: _finish(self.index.leaves[key], t, data.get(key)) for key, t in wanted.items()}
+
+    def _read_packed(self, pack: int, keys: list[str]) -> dict[str, np.ndarray]:
+        leaves = {k: self.index.leaves[k] for k in keys}
+        ordered = sorted(keys, key=lambda k: leaves[k].at.offset)
+        spans: list[list[int]] = []
+        for k in ordered:
+            at = leaves[k].at
+            if spans and at.offset - spans[-1][1] <= _SPAN_GAP:
+                spans[-1][1] = max(spans[-1][1], at.offset + at.nbytes)
+            else:
+                spans.append([at.offset, at.offset + at.nbytes])
+        info = self.index.packs[pack]
+        pending = self._reader.read_pack_spans(info.path, info.nbytes, [tuple(s) for s in spans])
+        buffers = [(start, _arrayio.resolve(p)) for (start, _), p in zip(spans, pending)]
+        out = {}
+        for k in ordered:
+            leaf, at = leaves[k], leaves[k].at
+            start, buffer = next((s, b) for s, b in reversed(buffers) if s <= at.offset)
+            raw = buffer[at.offset - start : at.offset - start + at.nbytes]
+            if zlib.crc32(raw) != at.crc32:
+                raise CheckpointCorruptedError(
+                    f"The data of {describe(k)} fails its checksum (pack {info.path!r}, bytes {at.offset}.."
+                    f"{at.offset + at.nbytes}); the checkpoint is damaged."
+                )
+            out[k] = raw.view(leaf.dtype).reshape(leaf.shape)
+        return out
+
+    def _read_arrays(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
+        leaves = {k: self.index.leaves[k] for k in wanted}
+        stores = self._reader.open_arrays((k, leaf.at.path, leaf.at.stored, leaf.shape) for k, leaf in leaves.items())
+        plans = {}
+        for key, template in wanted.items():
+            leaf = leaves[key]
+            sharding = None if leaf.prng_impl else _target_sharding(template)
+            if sharding is None:
+                regions = {(): tuple(slice(None) for _ in leaf.shape)}
+                devices = None
+            else:
+                devices = sharding.addressable_devices_indices_map(leaf.shape)
+                regions = {_hashable(i): i for i in devices.values()}
+            futures = self._reader.read_regions(key, leaf.at.path, stores[key], list(regions.values()))
+            plans[key] = (sharding, devices, dict(zip(regions, futures)))
+        out = {}
+        for key, (sharding, devices, futures) in plans.items():
+            leaf = leaves[key]
+            host = {h: self._as_logical(leaf, _arrayio.resolve(f)) for h, f in futures.items()}
+            if sharding is None:
+                out[key] = host[()]
+            else:
+                arrays = [jax.device_put(host[_hashable(i)], d) for d, i in devices.items()]
+                out[key] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+        return out
+
+    @staticmethod
+    def _as_logical(leaf: ArrayLeaf, data: np.ndarray) -> np.ndarray:
+        return data if data.dtype == leaf.dtype else data.view(leaf.dtype)
+
+
+def _missing_key_message(index: Index, key: str, path: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, list(index.leaves), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    if key in index.nodes:
+        hint = f" It is a node; its leaves include {', '.join(map(repr, index.keys_under(key)[:3]))}."
+    return f"The checkpoint {path!r} has no value {describe(key)}.{hint}"
