@@ -11,7 +11,6 @@ ckpt.restore(path).assert_consumed()
 from jaxckpt._checkpoint import (
     Checkpoint,
     RestoreStatus,
-    UnusedValuesWarning,
     list_variables,
     load_variable,
     restore,
@@ -29,6 +28,7 @@ from jaxckpt._errors import (
     RestoreAssertionError,
     UnsupportedValueError,
     UnsupportedVersionError,
+    UnusedValuesWarning,
 )
 from jaxckpt._format import FORMAT_VERSION
 

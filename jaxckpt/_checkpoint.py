@@ -8,17 +8,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from jaxckpt import _save
-from jaxckpt._errors import MismatchError, RestoreAssertionError
+from jaxckpt._errors import MismatchError, RestoreAssertionError, UnusedValuesWarning
 from jaxckpt._format import ValueLeaf
 from jaxckpt._restore import NO_TEMPLATE, Opened
 from jaxckpt._tree import CHECKPOINT, build, escape_edge, flatten, join, rebuild
 
 PathLike = str | os.PathLike[str]
 SAVE_COUNTER = "save_counter"
-
-
-class UnusedValuesWarning(UserWarning):
-    """A restore left checkpoint values unused and ``expect_partial()`` was not called."""
 
 
 def _summarize(keys: Iterable[str], limit: int = 20) -> str:

@@ -12,6 +12,8 @@
     ├── UnsupportedValueError        (also TypeError) a value jaxckpt cannot save
     └── RestoreAssertionError        (also AssertionError) a restore status assertion failed
 
+and one warning, UnusedValuesWarning (a UserWarning): a restore left checkpoint values unused.
+
 Messages name the key, what was expected, what was found, and what to do.
 """
 
@@ -63,3 +65,7 @@ class UnsupportedValueError(JaxckptError, TypeError):
 
 class RestoreAssertionError(JaxckptError, AssertionError):
     """A restore status assertion (``assert_consumed`` and friends) failed."""
+
+
+class UnusedValuesWarning(UserWarning):
+    """A restore left checkpoint values unused and ``expect_partial()`` was not called."""

@@ -142,7 +142,7 @@ def _finish(leaf: Leaf, template: Any, data: Any) -> Any:
     if isinstance(template, np.ndarray):
         return np.asarray(data)
     sharding = _target_sharding(template)
-    if leaf.prng_impl:
+    if isinstance(leaf, ArrayLeaf) and leaf.prng_impl:
         keys = jax.random.wrap_key_data(np.asarray(data), impl=leaf.prng_impl)
         return jax.device_put(keys, sharding)
     if isinstance(data, jax.Array):

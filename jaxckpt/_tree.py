@@ -180,7 +180,7 @@ def _decompose_registered(x: Any, prefix: str) -> _Node | None:
 
 def _decompose_nnx(x: Any, prefix: str) -> _Node:
     nnx = _nnx()
-    pure = nnx.state(x).to_pure_dict()
+    pure = nnx.to_pure_dict(nnx.state(x))
     keys = list(pure)
     _check_dict_keys(keys, prefix)
 
