@@ -43,7 +43,7 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "notes.txt").write_text("hi")
     (tmp_path / "file").write_text("x")
-    with pytest.raises(jaxckpt.NotACheckpointError, match="no index.json"):
+    with pytest.raises(jaxckpt.NotACheckpointError, match=r"no index\.json"):
         jaxckpt.restore(tmp_path / "dir")
     with pytest.raises(jaxckpt.NotACheckpointError, match="is a file"):
         jaxckpt.load_variable(tmp_path / "file", "a")
