@@ -31,6 +31,7 @@ from jaxckpt._errors import (
     UnusedValuesWarning,
 )
 from jaxckpt._format import FORMAT_VERSION
+from jaxckpt._slots import SlotReport, restore_slots
 
 __version__ = "0.1.0"
 
@@ -47,11 +48,13 @@ __all__ = [
     "NotACheckpointError",
     "RestoreAssertionError",
     "RestoreStatus",
+    "SlotReport",
     "UnsupportedValueError",
     "UnsupportedVersionError",
     "UnusedValuesWarning",
     "list_variables",
     "load_variable",
     "restore",
+    "restore_slots",
     "save",
 ]

@@ -53,10 +53,12 @@ def _dtype_table() -> dict[str, np.dtype]:
 DTYPES: dict[str, np.dtype] = _dtype_table()
 
 
+_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
 def dtype_name(dtype: np.dtype) -> str | None:
     """The index name of a dtype, or None if jaxckpt cannot store it."""
-    name = np.dtype(dtype).name
-    return name if name in DTYPES and DTYPES[name] == dtype else None
+    return _NAMES.get(np.dtype(dtype))
 
 
 # --- records -----------------------------------------------------------------------------------
@@ -148,7 +150,7 @@ def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
         return {"type": leaf.type, "value": value}
     out: dict[str, Any] = {
         "type": "prng_key" if leaf.prng_impl else "array",
-        "dtype": leaf.dtype.name,
+        "dtype": _NAMES[leaf.dtype],
         "shape": list(leaf.shape),
         "container": leaf.container,
     }
@@ -169,6 +171,7 @@ def _canonical(body: Mapping[str, Any]) -> bytes:
 
 
 def encode_index(index: Index) -> bytes:
+    """The index file: compact canonical JSON with a crc32 of itself (without the checksum field)."""
     body = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -177,8 +180,9 @@ def encode_index(index: Index) -> bytes:
         "leaves": {k: _leaf_to_json(v) for k, v in index.leaves.items()},
         "packs": [{"path": p.path, "nbytes": p.nbytes} for p in index.packs],
     }
-    body["checksum"] = f"crc32:{zlib.crc32(_canonical(body)):08x}"
-    return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=False, allow_nan=False).encode() + b"\n"
+    canonical = _canonical(body)
+    # "checksum" sorts first, so the file is the canonical body with the checksum field put in front.
+    return b'{"checksum":"crc32:%08x",' % zlib.crc32(canonical) + canonical[1:] + b"\n"
 
 
 # --- parsing -----------------------------------------------------------------------------------

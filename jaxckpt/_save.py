@@ -29,6 +29,7 @@ from jaxckpt._format import (
     encode_index,
 )
 from jaxckpt._tree import Flat, describe, flatten, is_state_object
+from jaxckpt._version import __version__
 
 
 def describe_sharding(x: jax.Array) -> str | None:
@@ -145,7 +146,7 @@ def plan(flat: Flat, writer: _arrayio.Writer) -> Index:
     for i, buffer in enumerate(packer.buffers()):
         packs.append(Pack(f"p/{i}", buffer.size))
         writer.add_pack(packs[-1].path, buffer)
-    return Index(flat.nodes, leaves, packs)
+    return Index(flat.nodes, leaves, packs, {"writer": f"jaxckpt {__version__}"})
 
 
 def write(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False) -> str:

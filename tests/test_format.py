@@ -1,0 +1,85 @@
+"""The on-disk format: golden checkpoints stay readable, few files, readable by TensorStore alone."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import tensorstore as ts
+
+import jaxckpt
+
+GOLDEN = Path(__file__).parent / "golden"
+sys.path.insert(0, str(GOLDEN))
+from make_golden import golden_tree  # noqa: E402
+
+
+def _assert_same(restored, expected, key=""):
+    if isinstance(expected, dict):
+        assert set(restored) == set(expected), key
+        for k in expected:
+            _assert_same(restored[k], expected[k], f"{key}/{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert type(restored).__name__ == type(expected).__name__ and len(restored) == len(expected), key
+        for i, (r, e) in enumerate(zip(restored, expected)):
+            _assert_same(r, e, f"{key}/{i}")
+    elif isinstance(expected, (np.ndarray, np.generic)):
+        assert type(restored) is type(expected) and restored.dtype == expected.dtype, key
+        assert np.asarray(restored).tobytes() == np.asarray(expected).tobytes(), key
+    else:
+        assert type(restored) is type(expected) and restored == expected, key
+
+
+def test_every_golden_version_is_still_readable():
+    versions = sorted(GOLDEN.glob("v*"))
+    assert [v.name for v in versions] == [f"v{i}" for i in range(1, jaxckpt.FORMAT_VERSION + 1)]
+    for folder in versions:
+        _assert_same(jaxckpt.restore(folder), golden_tree())
+        _assert_same(jaxckpt.restore(folder, like=golden_tree()), golden_tree())
+        assert dict(jaxckpt.list_variables(folder))["big"] == (600, 600)
+
+
+def _files(path):
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
+
+
+def test_ten_thousand_leaves_make_a_handful_of_files(tmp_path):
+    rng = np.random.default_rng(0)
+    tree = {f"layer{i}": {"w": rng.standard_normal(20).astype(np.float32)} for i in range(9_990)}
+    tree["big"] = [rng.standard_normal(300_000).astype(np.float32) for _ in range(10)]
+    path = jaxckpt.save(tmp_path / "c", tree)
+    files = _files(path)
+    assert len(files) <= 20, files
+    assert "index.json" in files and "data/manifest.ocdbt" in files
+    restored = jaxckpt.restore(path)
+    np.testing.assert_array_equal(restored["layer9989"]["w"], tree["layer9989"]["w"])
+    np.testing.assert_array_equal(restored["big"][9], tree["big"][9])
+
+
+def test_arrays_are_readable_with_tensorstore_alone(tmp_path):
+    """What the README's Format section promises someone who never installed jaxckpt."""
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((700, 400)).astype(np.float32)
+    small = np.arange(7, dtype=np.int16)
+    path = Path(jaxckpt.save(tmp_path / "c", {"big": big, "small": small}))
+    index = json.loads((path / "index.json").read_text())
+    data = {"driver": "ocdbt", "base": f"file://{path}/data/"}
+
+    at = index["leaves"]["big"]["at"]
+    store = ts.open({"driver": "zarr3", "kvstore": {**data, "path": at["array"] + "/"}}).result()
+    np.testing.assert_array_equal(store.read().result(), big)
+
+    at = index["leaves"]["small"]["at"]
+    pack = index["packs"][at["pack"]]["path"]
+    store = ts.open({"driver": "zarr3", "kvstore": {**data, "path": pack + "/"}}).result()
+    raw = store[at["offset"] : at["offset"] + at["nbytes"]].read().result()
+    np.testing.assert_array_equal(raw.view("<i2"), small)
+
+
+def test_index_records_kinds_and_is_plain_json(tmp_path):
+    path = Path(jaxckpt.save(tmp_path / "c", {"t": (1, 2), 3: [np.float32(1)]}))
+    index = json.loads((path / "index.json").read_text())
+    assert index["format"] == "jaxckpt" and index["version"] == jaxckpt.FORMAT_VERSION
+    assert index["nodes"][""] == {"kind": "dict", "class": "dict", "keys": ["t", 3]}
+    assert index["nodes"]["t"]["kind"] == "tuple" and index["leaves"]["t/0"] == {"type": "int", "value": 1}
+    assert index["leaves"]["3/0"]["container"] == "numpy_scalar"
