@@ -88,7 +88,12 @@ def host_shards(x: Any) -> tuple[list[int], list[tuple[tuple[slice, ...], np.nda
     data is one shard covering the whole array.
     """
     if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
-        shard_shape = list(x.sharding.shard_shape(x.shape))
+        # The largest shard, from the global index map: every process agrees on it, and uneven
+        # shardings (10 rows over 4 devices) have no single shard_shape.
+        shard_shape = [1] * x.ndim
+        for index in x.sharding.devices_indices_map(x.shape).values():
+            for d, (s, n) in enumerate(zip(index, x.shape)):
+                shard_shape[d] = max(shard_shape[d], len(range(*s.indices(n))))
         parts = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
         return shard_shape, parts
     data = np.asarray(x)
