@@ -31,6 +31,8 @@ from jaxckpt._errors import (
     UnusedValuesWarning,
 )
 from jaxckpt._format import FORMAT_VERSION
+from jaxckpt._manager import CheckpointManager, ManagerLockedError, latest_checkpoint
+from jaxckpt._policies import CheckpointInfo, KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
 from jaxckpt._slots import SlotReport, restore_slots
 
 __version__ = "0.1.0"
@@ -41,17 +43,26 @@ __all__ = [
     "CheckpointCorruptedError",
     "CheckpointExistsError",
     "CheckpointFormatError",
+    "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "JaxckptError",
+    "KeepAny",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLatest",
+    "ManagerLockedError",
     "MismatchError",
     "MissingKeyError",
     "NotACheckpointError",
     "RestoreAssertionError",
     "RestoreStatus",
+    "RetentionPolicy",
     "SlotReport",
     "UnsupportedValueError",
     "UnsupportedVersionError",
     "UnusedValuesWarning",
+    "latest_checkpoint",
     "list_variables",
     "load_variable",
     "restore",

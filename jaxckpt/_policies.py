@@ -1,0 +1,158 @@
+"""Retention policies: which of a manager's checkpoints to keep.
+
+A policy is any object with ``keep(checkpoints) -> Iterable[CheckpointInfo]``: given every checkpoint
+the manager holds, oldest first, it returns the ones it wants kept. A manager keeps a checkpoint if
+any of its policies keeps it, and always keeps the latest (a restarted job must find something to
+resume from). Policies are stateless: their answer depends only on the list they are given, which
+the state file records, so a restarted job decides exactly as the job before it::
+
+    policy = KeepLatest(3) | KeepEvery(hours=2) | KeepBest(2, metric="loss")
+    manager = jaxckpt.CheckpointManager(ckpt, "ckpts", policies=[policy])
+    manager.save(metrics={"loss": 0.31})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint a manager keeps, as its state file records it.
+
+    ``path`` is the checkpoint's prefix (``"ckpts/ckpt-4"``), ``step`` the training step it was saved
+    at, ``time`` when it was saved (Unix seconds), and ``metrics`` what was passed to
+    ``save(metrics=...)``; a value that was not finite (NaN, inf) is recorded as ``None``.
+    """
+
+    path: str
+    step: int
+    time: float
+    metrics: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
+
+
+@runtime_checkable
+class RetentionPolicy(Protocol):
+    """Decides which checkpoints to keep. ``checkpoints`` is oldest first; return a subset of them."""
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]: ...
+
+
+class _Combinable:
+    """``a | b`` keeps what either keeps."""
+
+    def __or__(self, other: RetentionPolicy) -> KeepAny:
+        return KeepAny(self, other)  # type: ignore[arg-type]
+
+    def __ror__(self, other: RetentionPolicy) -> KeepAny:
+        return KeepAny(other, self)  # type: ignore[arg-type]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, not {value!r}.")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLatest(_Combinable):
+    """Keep the ``n`` most recent checkpoints: ``KeepLatest(3)``."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepLatest(n)", self.n)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
+        return checkpoints[-self.n :]
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class KeepEvery(_Combinable):
+    """Keep one checkpoint per window of ``steps`` training steps or of ``hours`` of wall-clock time.
+
+    ``KeepEvery(steps=1000)`` keeps, for each window ``[k*1000, (k+1)*1000)``, the checkpoint of lowest
+    step in it; ``KeepEvery(hours=2)`` keeps the earliest checkpoint of each two-hour window (windows
+    are aligned to the Unix epoch). Windows rather than "every multiple of 1000" so that saving every
+    300 steps still keeps one per thousand; the earliest of a window so that the choice never changes
+    as later checkpoints arrive, or when others are deleted.
+    """
+
+    steps: int | None
+    hours: float | None
+
+    def __init__(self, *, steps: int | None = None, hours: float | None = None) -> None:
+        if (steps is None) == (hours is None):
+            raise ValueError("KeepEvery takes exactly one of steps= or hours=, e.g. KeepEvery(hours=2).")
+        if steps is not None:
+            _positive_int("KeepEvery(steps=)", steps)
+        elif isinstance(hours, bool) or not isinstance(hours, (int, float)) or not 0 < hours < math.inf:
+            raise ValueError(f"KeepEvery(hours=) must be a positive number, not {hours!r}.")
+        object.__setattr__(self, "steps", steps)
+        object.__setattr__(self, "hours", hours)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
+        first: dict[int, CheckpointInfo] = {}
+        for c in checkpoints:
+            if self.steps is not None:
+                window, order = c.step // self.steps, c.step
+            else:
+                window, order = math.floor(c.time / (self.hours * 3600)), c.time  # type: ignore[operator]
+            held = first.get(window)
+            if held is None or order < (held.step if self.steps is not None else held.time):
+                first[window] = c
+        return first.values()
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBest(_Combinable):
+    """Keep the ``n`` checkpoints with the best ``metric`` (``mode="min"``: lowest is best).
+
+    The metric comes from ``manager.save(metrics={"loss": ...})``. Checkpoints saved without it, or
+    with a value that was not finite, are never among the best. Ties keep the older checkpoint::
+
+        KeepBest(3, metric="loss", mode="min")
+    """
+
+    n: int
+    metric: str
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepBest(n)", self.n)
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"KeepBest(mode=) must be 'min' or 'max', not {self.mode!r}.")
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
+        scored = [c for c in checkpoints if isinstance(c.metrics.get(self.metric), (int, float))]
+        sign = 1.0 if self.mode == "min" else -1.0
+        return sorted(scored, key=lambda c: sign * c.metrics[self.metric])[: self.n]  # type: ignore[operator]
+
+
+class KeepAny(_Combinable):
+    """Keep a checkpoint if any of ``policies`` keeps it: ``KeepAny(KeepLatest(3), KeepEvery(hours=2))``."""
+
+    def __init__(self, *policies: RetentionPolicy) -> None:
+        for p in policies:
+            if not callable(getattr(p, "keep", None)):
+                raise TypeError(f"{p!r} is not a retention policy: it has no keep(checkpoints) method.")
+        # Flatten nested KeepAny so that a | b | c reads back as one flat list.
+        self.policies: tuple[RetentionPolicy, ...] = tuple(
+            q for p in policies for q in (p.policies if isinstance(p, KeepAny) else (p,))
+        )
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
+        kept = {c.path for p in self.policies for c in p.keep(checkpoints)}
+        return [c for c in checkpoints if c.path in kept]
+
+    def __repr__(self) -> str:
+        return f"KeepAny({', '.join(map(repr, self.policies))})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeepAny) and self.policies == other.policies
+
+    def __hash__(self) -> int:
+        return hash(self.policies)
