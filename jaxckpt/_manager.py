@@ -153,7 +153,7 @@ def _write_state(directory: Path, infos: Sequence[CheckpointInfo]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _storage._fsync_dir(directory)  # the rename itself must survive a power cut
+    _storage.fsync_dir(directory)  # the rename itself must survive a power cut
 
 
 def latest_checkpoint(directory: PathLike) -> str | None:
@@ -382,7 +382,7 @@ class CheckpointManager:
     def _remove_leftovers(self) -> None:
         """Remove what crashed saves and deletions left: never a listed checkpoint."""
         listed = {os.path.basename(c.path) for c in self._infos}
-        marks = f"{re.escape(_storage.PARTIAL_MARK)}|\\.replaced-"  # see _storage.staging_folder and publish
+        marks = f"{re.escape(_storage.PARTIAL_MARK)}|{re.escape(_storage.REPLACED_MARK)}"  # see _storage.staging_folder and publish
         staging = re.compile(rf"\.{re.escape(self._name)}-[0-9]+({marks}).*")
         for entry in os.scandir(self._path):
             name = entry.name

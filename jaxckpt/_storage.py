@@ -8,15 +8,19 @@ staging folders are never mistaken for checkpoints, since a checkpoint is a fold
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, NotACheckpointError
 from jaxckpt._format import INDEX_FILE
 
-PARTIAL_MARK = ".partial-"
+PARTIAL_MARK = ".partial-"  # hidden staging folders: ".<name>.partial-<random>"
+REPLACED_MARK = ".replaced-"  # an overwritten checkpoint on its way out: ".<name>.replaced-<random>"
 
 
 def local_path(path: str | os.PathLike[str]) -> Path:
@@ -81,7 +85,7 @@ def write_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -89,22 +93,49 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # old kernel or a filesystem without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def publish(staging: Path, path: Path, overwrite: bool) -> None:
-    """Make the finished checkpoint in ``staging`` appear at ``path``, durably and atomically."""
+    """Make the finished checkpoint in ``staging`` appear at ``path``, durably and atomically.
+
+    Replacing a checkpoint swaps the two folders in one step where the OS can (Linux); elsewhere the
+    old one is moved aside first, so for an instant nothing is at ``path`` (it survives as
+    ``.<name>.replaced-*`` until the new one is in place).
+    """
     for folder, _, _ in os.walk(staging):
-        _fsync_dir(Path(folder))
-    old = None
+        fsync_dir(Path(folder))
     if path.exists():
         check_writable(path, overwrite)  # the destination may have appeared while we wrote
-        old = path.parent / f".{path.name}.replaced-{uuid.uuid4().hex[:12]}"
+        if _exchange(staging, path):
+            fsync_dir(path.parent)
+            shutil.rmtree(staging, ignore_errors=True)  # now holds the old checkpoint
+            return
+        old = path.parent / f".{path.name}{REPLACED_MARK}{uuid.uuid4().hex[:12]}"
         os.rename(path, old)
+    else:
+        old = None
     try:
         os.rename(staging, path)
     except OSError as e:
         if old is not None:
             os.rename(old, path)
         raise CheckpointExistsError(f"Cannot move the new checkpoint into {str(path)!r}: {e}") from e
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -243,3 +243,18 @@ def test_errors_share_one_root(tmp_path):
         if isinstance(obj, type) and issubclass(obj, Exception) and not issubclass(obj, Warning):
             assert issubclass(obj, jaxckpt.JaxckptError), name
     assert os.path.exists(tmp_path)
+
+
+def test_overwrite_swaps_in_one_step_on_linux(tmp_path, monkeypatch):
+    """Replacing a checkpoint never leaves the path empty: the folders are exchanged atomically."""
+    path = jaxckpt.save(tmp_path / "c", {"a": 1})
+    real_rename = os.rename
+
+    def guarded_rename(src, dst):
+        assert Path(src) != Path(path), "the old checkpoint was moved aside: a window with no checkpoint"
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", guarded_rename)
+    jaxckpt.save(path, {"a": 2}, overwrite=True)
+    assert jaxckpt.restore(path) == {"a": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
