@@ -15,6 +15,7 @@ from jaxckpt._checkpoint import (
     load_variable,
     restore,
     save,
+    wait_until_finished,
 )
 from jaxckpt._errors import (
     CheckpointCorruptedError,
@@ -31,6 +32,7 @@ from jaxckpt._errors import (
     UnusedValuesWarning,
 )
 from jaxckpt._format import FORMAT_VERSION
+from jaxckpt._inspect import CheckpointView, ManagerView, inspect
 from jaxckpt._manager import CheckpointManager, ManagerLockedError, latest_checkpoint
 from jaxckpt._policies import CheckpointInfo, KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
 from jaxckpt._slots import SlotReport, restore_slots
@@ -46,12 +48,14 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointView",
     "JaxckptError",
     "KeepAny",
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
     "ManagerLockedError",
+    "ManagerView",
     "MismatchError",
     "MissingKeyError",
     "NotACheckpointError",
@@ -62,10 +66,12 @@ __all__ = [
     "UnsupportedValueError",
     "UnsupportedVersionError",
     "UnusedValuesWarning",
+    "inspect",
     "latest_checkpoint",
     "list_variables",
     "load_variable",
     "restore",
     "restore_slots",
     "save",
+    "wait_until_finished",
 ]

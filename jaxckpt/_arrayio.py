@@ -1,7 +1,7 @@
 """Array I/O: every byte of array data goes through TensorStore (zarr3 arrays in one OCDBT database).
 
 The only module that imports tensorstore. A checkpoint's arrays live in one OCDBT key-value database
-(a handful of files however many arrays it holds), written in one transaction:
+(a handful of files however many arrays it holds):
 
 - a large leaf is its own zarr3 array at ``a/<n>/``, chunked like its shards, each chunk ending in a
   crc32c checksum (the zarr3 ``crc32c`` codec) that TensorStore verifies on every read;
@@ -81,66 +81,72 @@ def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> li
     return chunks
 
 
-def host_shards(x: Any) -> tuple[list[int], list[tuple[tuple[slice, ...], np.ndarray]]]:
-    """The chunk-defining shard shape of ``x`` and the (index, host data) pairs this process writes.
+def shard_shape(x: jax.Array) -> list[int]:
+    """The largest shard of ``x``, from the global index map.
 
-    A jax.Array contributes its addressable shards of replica 0 (each replicated shard once); numpy
-    data is one shard covering the whole array.
+    Every process agrees on it, and uneven shardings (10 rows over 4 devices) have no single
+    ``shard_shape``.
     """
-    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
-        # The largest shard, from the global index map: every process agrees on it, and uneven
-        # shardings (10 rows over 4 devices) have no single shard_shape.
-        shard_shape = [1] * x.ndim
-        for index in x.sharding.devices_indices_map(x.shape).values():
-            for d, (s, n) in enumerate(zip(index, x.shape)):
-                shard_shape[d] = max(shard_shape[d], len(range(*s.indices(n))))
-        parts = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
-        return shard_shape, parts
-    data = np.asarray(x)
-    return list(data.shape), [(tuple(slice(None) for _ in data.shape), data)]
+    shape = [1] * x.ndim
+    for index in x.sharding.devices_indices_map(x.shape).values():
+        for d, (s, n) in enumerate(zip(index, x.shape)):
+            shape[d] = max(shape[d], len(range(*s.indices(n))))
+    return shape
 
 
 class Writer:
-    """Writes the arrays and packs of one checkpoint into ``directory`` in one transaction.
+    """Writes the arrays and packs of one checkpoint into ``directory``.
 
-    ``add_*`` only records what to write; :meth:`commit` opens every array at once, writes them all
-    and commits, so per-array costs overlap instead of adding up.
+    ``add_*`` only records what to write; :meth:`flush` opens every recorded array at once and
+    writes them all, so per-array costs overlap instead of adding up. TensorStore reads the given
+    host buffers in place (no copy of its own): callers hand over buffers that nobody changes, and
+    :meth:`flush` drops them once written, so a caller can bound host memory by flushing.
+
+    Writes are not transactional: nothing is visible until the caller publishes the checkpoint's
+    index, and a transaction would hold every byte in memory until its commit.
     """
 
     def __init__(self, directory: str) -> None:
         self._directory = directory
+        self._context = _context()
         self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]]]] = []
 
-    def add_array(self, path: str, value: Any, dtype: np.dtype, shape: Sequence[int]) -> None:
-        shard_shape, parts = host_shards(value)
+    def add_array(
+        self,
+        path: str,
+        shape: Sequence[int],
+        dtype: np.dtype,
+        shards: Sequence[int],
+        parts: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+    ) -> None:
+        """Record a zarr3 array of ``shape``, chunked like ``shards``, and the (region, data) to write."""
         stored = stored_dtype(dtype)
         if stored != dtype.name:
             parts = [(index, data.view(stored)) for index, data in parts]
         if math.prod(shape) == 0:
             parts = []
-        metadata = _metadata(shape, stored, chunk_shape(shape, shard_shape, dtype.itemsize), checksum=True)
-        self._planned.append((path, metadata, parts))
+        metadata = _metadata(shape, stored, chunk_shape(shape, shards, dtype.itemsize), checksum=True)
+        self._planned.append((path, metadata, list(parts)))
 
     def add_pack(self, path: str, buffer: np.ndarray) -> None:
         metadata = _metadata([buffer.size], "uint8", [min(buffer.size, PACK_CHUNK_BYTES)], checksum=False)
         self._planned.append((path, metadata, [((slice(None),), buffer)] if buffer.size else []))
 
-    def commit(self) -> None:
-        context = _context()
-        txn = ts.Transaction(atomic=True)
+    def flush(self) -> None:
+        """Create and write everything recorded so far, durably; then forget it."""
+        planned, self._planned = self._planned, []
         opens = [
-            ts.open(
-                {**_spec(self._directory, path), "metadata": metadata}, create=True, context=context, transaction=txn
-            )
-            for path, metadata, _ in self._planned
+            ts.open({**_spec(self._directory, path), "metadata": metadata}, create=True, context=self._context)
+            for path, metadata, _ in planned
         ]
         writes = []
-        for (_, _, parts), future in zip(self._planned, opens):
+        for (_, _, parts), future in zip(planned, opens):
             store = future.result()
-            writes.extend(store[index].write(data) for index, data in parts)
+            writes.extend(
+                store[index].write(data, can_reference_source_data_indefinitely=True) for index, data in parts
+            )
         for w in writes:
             w.result()
-        txn.commit_async().result()
 
 
 def _corrupted(key: str, path: str, error: Exception) -> CheckpointCorruptedError:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from jaxckpt import _save
+from jaxckpt._async import Background
 from jaxckpt._errors import MismatchError, RestoreAssertionError, UnusedValuesWarning
 from jaxckpt._format import ValueLeaf
 from jaxckpt._restore import NO_TEMPLATE, Opened
@@ -191,6 +192,7 @@ class Checkpoint:
     def __init__(self, **children: Any) -> None:
         object.__setattr__(self, "_children", {})
         object.__setattr__(self, "_pending", {})
+        object.__setattr__(self, "_background", Background("Checkpoint"))
         object.__setattr__(self, SAVE_COUNTER, 0)
         for name, value in children.items():
             setattr(self, name, value)
@@ -240,22 +242,39 @@ class Checkpoint:
 
     # --- saving and restoring ------------------------------------------------------------------
 
-    def save(self, file_prefix: PathLike) -> str:
+    def save(self, file_prefix: PathLike, *, blocking: bool = True) -> str:
         """Write a new numbered checkpoint ``<file_prefix>-<n>``; returns its path.
 
         ``n`` is ``save_counter`` after incrementing it; the counter is saved too, so numbering
-        continues after a restore.
+        continues after a restore. ``blocking=False`` returns once the values are snapshotted and
+        writes in the background (see :meth:`write`).
         """
         self.save_counter += 1
         try:
-            return self.write(f"{os.fspath(file_prefix)}-{self.save_counter}")
+            return self.write(f"{os.fspath(file_prefix)}-{self.save_counter}", blocking=blocking)
         except BaseException:
             self.save_counter -= 1
             raise
 
-    def write(self, path: PathLike, *, overwrite: bool = False) -> str:
-        """Write a checkpoint at exactly ``path`` (no numbering); returns ``path``."""
-        return _save.write(path, self, overwrite=overwrite)
+    def write(self, path: PathLike, *, overwrite: bool = False, blocking: bool = True) -> str:
+        """Write a checkpoint at exactly ``path`` (no numbering); returns ``path``.
+
+        With ``blocking=False`` the call returns once every value is snapshotted (on an accelerator,
+        the device-to-host copy; on CPU, no copy), and the checkpoint appears at ``path`` when the
+        background write is done. Children may change, and the train step may donate their buffers,
+        as soon as the call returns. The next save, :meth:`wait_until_finished` and :meth:`restore`
+        wait for it first and raise its error if it failed.
+        """
+        self._background.wait()
+        if blocking:
+            return _save.write(path, self, overwrite=overwrite)
+        prepared = _save.prepare(path, self, overwrite=overwrite)
+        self._background.submit(lambda: _save.finish(prepared))
+        return os.fspath(path)
+
+    def wait_until_finished(self) -> None:
+        """Block until a background save of this Checkpoint is done; raise its error if it failed."""
+        self._background.wait()
 
     def restore(self, save_path: PathLike | None) -> RestoreStatus:
         """Restore values from ``save_path`` into the children; ``None`` restores nothing.
@@ -265,6 +284,7 @@ class Checkpoint:
         """
         if save_path is None:
             return RestoreStatus(None)
+        self._background.wait()
         opened = Opened(save_path)
         status = RestoreStatus(opened)
         restore = _Restore(opened, status)
@@ -277,12 +297,27 @@ class Checkpoint:
         return self.restore(save_path)
 
 
-def save(path: PathLike, tree: Any, *, overwrite: bool = False) -> str:
+_BACKGROUND = Background("jaxckpt.save")
+
+
+def save(path: PathLike, tree: Any, *, overwrite: bool = False, blocking: bool = True) -> str:
     """Save a pytree, a Flax NNX module, or any supported object as a checkpoint at ``path``.
 
-    Refuses to replace an existing checkpoint unless ``overwrite=True``. Returns ``path``.
+    Refuses to replace an existing checkpoint unless ``overwrite=True``. Returns ``path``. With
+    ``blocking=False``, returns once the values are snapshotted and writes in the background; call
+    :func:`wait_until_finished` (``restore`` and the next ``save`` do) before relying on it.
     """
-    return _save.write(path, tree, overwrite=overwrite)
+    _BACKGROUND.wait()
+    if blocking:
+        return _save.write(path, tree, overwrite=overwrite)
+    prepared = _save.prepare(path, tree, overwrite=overwrite)
+    _BACKGROUND.submit(lambda: _save.finish(prepared))
+    return os.fspath(path)
+
+
+def wait_until_finished() -> None:
+    """Block until a background :func:`save` is done; raise its error if it failed."""
+    _BACKGROUND.wait()
 
 
 def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False) -> Any:
@@ -293,6 +328,7 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False) -
     one unless ``partial=True`` (then unmatched leaves of ``like`` keep their values). Without
     ``like``, containers are rebuilt as saved and arrays come back as numpy.
     """
+    _BACKGROUND.wait()
     opened = Opened(path)
     index = opened.index
     if like is NO_TEMPLATE:

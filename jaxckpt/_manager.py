@@ -49,7 +49,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _storage
+from jaxckpt import _save, _storage
+from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import (
     CheckpointExistsError,
@@ -308,6 +309,11 @@ class CheckpointManager:
     Only one manager may work in a directory at a time (a lock file, released by :meth:`close`, at
     the end of a ``with`` block, and at interpreter exit; a lock left by a dead process on this host
     is taken over). ``clock`` (Unix seconds) is for tests.
+
+    Saves are asynchronous unless ``async_save=False``: :meth:`save` returns once the values are
+    snapshotted, and writing, the state file and retention run in the background. The next save,
+    :meth:`restore_or_initialize`, :meth:`wait_until_finished` and :meth:`close` wait for it and raise
+    its error if it failed; ``latest_checkpoint`` and ``checkpoints`` list finished saves only.
     """
 
     def __init__(
@@ -322,6 +328,7 @@ class CheckpointManager:
         checkpoint_interval: int | None = None,
         init_fn: Callable[[], Any] | None = None,
         policies: Sequence[RetentionPolicy] = (),
+        async_save: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not _PREFIX.fullmatch(checkpoint_name) or checkpoint_name.startswith("."):
@@ -349,6 +356,8 @@ class CheckpointManager:
         self._interval = checkpoint_interval
         self._init_fn = init_fn
         self._clock = clock
+        self._async = async_save
+        self._background = Background("CheckpointManager")
         self._path = _storage.local_path(directory)
         self._path.mkdir(parents=True, exist_ok=True)
         lock = self._path / LOCK_FILE
@@ -409,23 +418,27 @@ class CheckpointManager:
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """The prefix of the latest checkpoint (``"ckpts/ckpt-10"``), or None."""
+        """The prefix of the latest checkpoint (``"ckpts/ckpt-10"``), or None; waits for a background save."""
+        self._background.wait()
         return self._infos[-1].path if self._infos else None
 
     @property
     def checkpoints(self) -> list[str]:
-        """Prefixes of the kept checkpoints, oldest first."""
+        """Prefixes of the kept checkpoints, oldest first; waits for a background save."""
+        self._background.wait()
         return [c.path for c in self._infos]
 
     @property
     def checkpoint_infos(self) -> list[CheckpointInfo]:
-        """The kept checkpoints with their step, time and metrics, oldest first."""
+        """The kept checkpoints with their step, time and metrics, oldest first; waits for a background save."""
+        self._background.wait()
         return list(self._infos)
 
     # --- saving and restoring ----------------------------------------------------------------------
 
     def restore_or_initialize(self) -> str | None:
         """Restore the latest checkpoint and return its prefix; without one, call ``init_fn`` and return None."""
+        self._background.wait()
         latest = self.latest_checkpoint
         if latest is not None:
             self._checkpoint.restore(latest)
@@ -456,6 +469,7 @@ class CheckpointManager:
         """
         if not self._release.alive:
             raise ManagerLockedError(f"This manager of {self._directory!r} is closed; create a new one to save.")
+        self._background.wait()  # the previous save is recorded (or its error raised) before numbering
         step = self._current_step()
         if not force and self._interval is not None and self._infos and step < self._infos[-1].step + self._interval:
             return None
@@ -469,18 +483,28 @@ class CheckpointManager:
             if number < 0:
                 raise ValueError(f"checkpoint_number must be >= 0, not {number}.")
         path = os.path.join(self._directory, f"{self._name}-{number}")
-        if path in self.checkpoints:
+        if any(c.path == path for c in self._infos):
             raise CheckpointExistsError(f"{path!r} is already a kept checkpoint; checkpoint numbers must be new.")
-        # Like Checkpoint.save, the counter advances before writing, so that the checkpoint holds it.
+        # Like Checkpoint.save, the counter advances before the snapshot, so that the checkpoint holds it.
         self._checkpoint.save_counter = number if checkpoint_number is None else counter + 1
         try:
-            self._checkpoint.write(path)
+            prepared = _save.prepare(path, self._checkpoint)
         except BaseException:
             self._checkpoint.save_counter = counter
             raise
+        info = CheckpointInfo(path, number if step is None else step, self._clock(), recorded)
+        if self._async:
+            self._background.submit(lambda: self._finish(prepared, info))
+        else:
+            self._finish(prepared, info)
+        return path
+
+    def _finish(self, prepared: _save.Prepared, info: CheckpointInfo) -> None:
+        """Write the checkpoint, then list it, then delete what retention lets go (in this order)."""
+        _save.finish(prepared)
         # Written and durable: now it may be listed. If recording fails, the unlisted folder is
         # garbage that the next manager removes.
-        candidates = [*self._infos, CheckpointInfo(path, number if step is None else step, self._clock(), recorded)]
+        candidates = [*self._infos, info]
         kept = self._retain(candidates)
         _write_state(self._path, kept)
         self._infos = kept
@@ -491,7 +515,10 @@ class CheckpointManager:
                     _remove_tree(_storage.local_path(c.path))
                 except OSError as e:  # not listed any more, so the next manager removes it
                     warnings.warn(f"Could not delete the old checkpoint {c.path!r}: {e}", stacklevel=2)
-        return path
+
+    def wait_until_finished(self) -> None:
+        """Block until the background save is done and recorded; raise its error if it failed."""
+        self._background.wait()
 
     def _retain(self, candidates: list[CheckpointInfo]) -> list[CheckpointInfo]:
         if not self._policies:
@@ -503,8 +530,15 @@ class CheckpointManager:
     # --- lifetime ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the directory's lock. Reading ``checkpoints`` still works; saving does not."""
-        self._release()
+        """Finish the background save, then release the directory's lock.
+
+        Reading ``checkpoints`` still works afterwards; saving does not. Raises the background
+        save's error, if any, after releasing the lock.
+        """
+        try:
+            self._background.wait()
+        finally:
+            self._release()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -28,7 +30,7 @@ from jaxckpt._format import (
     dtype_name,
     encode_index,
 )
-from jaxckpt._tree import Flat, describe, flatten, is_state_object
+from jaxckpt._tree import describe, flatten, is_state_object
 from jaxckpt._version import __version__
 
 
@@ -99,6 +101,7 @@ class _Packer:
     def __init__(self) -> None:
         self.packs: list[list[tuple[int, np.ndarray]]] = []
         self.sizes: list[int] = []
+        self._built = 0  # packs before this one were handed to a writer
 
     def add(self, data: np.ndarray) -> InPack:
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -110,58 +113,132 @@ class _Packer:
         self.sizes[-1] = offset + raw.size
         return InPack(len(self.packs) - 1, offset, raw.size, zlib.crc32(raw))
 
-    def buffers(self) -> list[np.ndarray]:
-        out = []
-        for parts, size in zip(self.packs, self.sizes):
-            buffer = np.zeros(size, np.uint8)
-            for offset, raw in parts:
+    def hand_over(self, writer: _arrayio.Writer, *, last: bool) -> None:
+        """Give the writer every complete pack (and the last one too if ``last``), then forget them."""
+        end = len(self.packs) if last else len(self.packs) - 1
+        for i in range(self._built, end):
+            buffer = np.zeros(self.sizes[i], np.uint8)
+            for offset, raw in self.packs[i]:
                 buffer[offset : offset + raw.size] = raw
-            out.append(buffer)
-        return out
+            self.packs[i] = []
+            writer.add_pack(f"p/{i}", buffer)
+        self._built = max(self._built, end)
 
 
-def plan(flat: Flat, writer: _arrayio.Writer) -> Index:
-    """The index of ``flat``, with its array data handed to ``writer``."""
-    leaves: dict[str, Leaf] = {}
-    packer = _Packer()
-    arrays = 0
-    for key, x in flat.leaves.items():
-        value = _value_leaf(key, x)
-        if value is not None:
-            leaves[key] = value
-            continue
-        if isinstance(x, jax.ShapeDtypeStruct):
-            raise _unsupported(key, x, "A ShapeDtypeStruct is a restore template with no data; save a concrete array.")
-        if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-            raise _unsupported(key, x)
-        record, data = _array_leaf(key, x)
-        if record.nbytes <= _arrayio.PACK_LEAF_LIMIT:
-            at: InArray | InPack = packer.add(np.asarray(data))
+def _on_cpu(x: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in x.sharding.device_set)
+
+
+def _snapshot(x: Any) -> tuple[list[int], list[tuple[tuple[slice, ...], np.ndarray]], int]:
+    """Host data of what this process writes of ``x``: (shard shape, [(region, data)], bytes copied).
+
+    A jax.Array gives its addressable shards of replica 0 (each replicated shard once). On CPU,
+    ``np.asarray`` of a shard is a read-only view of its buffer: no copy, and safe even when the
+    train step donates the array right after, since XLA does not reuse a buffer that a view holds.
+    On an accelerator it is the device-to-host copy. A numpy array is copied, because its owner may
+    change it in place once the save has returned.
+    """
+    if isinstance(x, jax.Array):
+        if len(x.sharding.device_set) > 1:
+            shards = [s for s in x.addressable_shards if s.replica_id == 0]
+            chunks = _arrayio.shard_shape(x)
         else:
-            at = InArray(f"a/{arrays}", _arrayio.stored_dtype(record.dtype))
-            arrays += 1
-            writer.add_array(at.path, data, record.dtype, record.shape)
-        leaves[key] = ArrayLeaf(record.dtype, record.shape, record.container, at, record.prng_impl, record.sharding)
-    packs = []
-    for i, buffer in enumerate(packer.buffers()):
-        packs.append(Pack(f"p/{i}", buffer.size))
-        writer.add_pack(packs[-1].path, buffer)
-    return Index(flat.nodes, leaves, packs, {"writer": f"jaxckpt {__version__}"})
+            shards, chunks = x.addressable_shards[:1], list(x.shape)
+        parts = [(s.index, np.asarray(s.data)) for s in shards]
+        return chunks, parts, 0 if _on_cpu(x) else sum(d.nbytes for _, d in parts)
+    data = np.array(x, copy=True)
+    return list(data.shape), [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
+
+
+def host_memory_budget() -> int:
+    """Bytes of snapshot copies a save may hold before it writes some out (``JAXCKPT_HOST_MEMORY_BUDGET``)."""
+    configured = os.environ.get("JAXCKPT_HOST_MEMORY_BUDGET")
+    if configured:
+        return int(configured)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError):  # not POSIX
+        return 4 << 30
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A save whose snapshot is taken: what remains can run in the background (:func:`finish`)."""
+
+    path: str
+    dest: Path
+    staging: Path
+    overwrite: bool
+    index: Index
+    writer: _arrayio.Writer
+    packer: _Packer
+
+
+def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False) -> Prepared:
+    """The blocking part of a save: check the destination, record every leaf, snapshot array data.
+
+    When the snapshot's copies outgrow the host memory budget, what is recorded so far is written
+    out first, so a state larger than the budget costs a longer call, not more memory.
+    """
+    dest = _storage.local_path(path)
+    _storage.check_writable(dest, overwrite)
+    flat = flatten(root)
+    for x in flat.leaves.values():  # start every device-to-host copy before waiting for any
+        if isinstance(x, jax.Array) and not _on_cpu(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x.copy_to_host_async()
+    staging = _storage.staging_folder(dest)
+    try:
+        writer = _arrayio.Writer(str(staging / DATA_DIR))
+        packer = _Packer()
+        leaves: dict[str, Leaf] = {}
+        budget, held, arrays = host_memory_budget(), 0, 0
+        for key, x in flat.leaves.items():
+            value = _value_leaf(key, x)
+            if value is not None:
+                leaves[key] = value
+                continue
+            if isinstance(x, jax.ShapeDtypeStruct):
+                raise _unsupported(
+                    key, x, "A ShapeDtypeStruct is a restore template with no data; save a concrete array."
+                )
+            if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+                raise _unsupported(key, x)
+            record, data = _array_leaf(key, x)
+            shards, parts, copied = _snapshot(data)
+            if record.nbytes <= _arrayio.PACK_LEAF_LIMIT:
+                whole = parts[0][1] if len(parts) == 1 and parts[0][1].shape == record.shape else np.asarray(data)
+                at: InArray | InPack = packer.add(whole)
+            else:
+                at = InArray(f"a/{arrays}", _arrayio.stored_dtype(record.dtype))
+                arrays += 1
+                writer.add_array(at.path, record.shape, record.dtype, shards, parts)
+            leaves[key] = ArrayLeaf(record.dtype, record.shape, record.container, at, record.prng_impl, record.sharding)
+            held += copied
+            if held > budget:
+                packer.hand_over(writer, last=False)
+                writer.flush()
+                held = 0
+        packs = [Pack(f"p/{i}", size) for i, size in enumerate(packer.sizes)]
+        index = Index(flat.nodes, leaves, packs, {"writer": f"jaxckpt {__version__}"})
+    except BaseException:
+        _storage.discard(staging)
+        raise
+    return Prepared(os.fspath(path), dest, staging, overwrite, index, writer, packer)
+
+
+def finish(p: Prepared) -> str:
+    """The rest of a save: write the data, then the index, then publish; returns the path."""
+    try:
+        p.packer.hand_over(p.writer, last=True)
+        p.writer.flush()
+        _storage.write_durable(p.staging / INDEX_FILE, encode_index(p.index))
+        _storage.publish(p.staging, p.dest, p.overwrite)
+    except BaseException:
+        _storage.discard(p.staging)
+        raise
+    return p.path
 
 
 def write(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False) -> str:
     """Saves ``root`` as a new checkpoint at ``path``; returns ``path``."""
-    dest = _storage.local_path(path)
-    _storage.check_writable(dest, overwrite)
-    flat = flatten(root)
-    staging = _storage.staging_folder(dest)
-    try:
-        writer = _arrayio.Writer(str(staging / DATA_DIR))
-        index = plan(flat, writer)
-        writer.commit()
-        _storage.write_durable(staging / INDEX_FILE, encode_index(index))
-        _storage.publish(staging, dest, overwrite)
-    except BaseException:
-        _storage.discard(staging)
-        raise
-    return os.fspath(path)
+    return finish(prepare(path, root, overwrite=overwrite))

@@ -110,7 +110,7 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     def boom(self):
         raise OSError("disk full")
 
-    monkeypatch.setattr(_arrayio.Writer, "commit", boom)
+    monkeypatch.setattr(_arrayio.Writer, "flush", boom)
     with pytest.raises(OSError, match="disk full"):
         jaxckpt.save(tmp_path / "c", {"a": jnp.ones(3)})
     assert list(tmp_path.iterdir()) == []
@@ -123,11 +123,11 @@ def test_killed_save_leaves_no_checkpoint(tmp_path):
         f"""
         import os, signal, numpy as np, jaxckpt
         from jaxckpt import _arrayio
-        real = _arrayio.Writer.commit
+        real = _arrayio.Writer.flush
         def commit_then_die(self):
             real(self)  # data durable, index not yet written: the worst instant
             os.kill(os.getpid(), signal.SIGKILL)
-        _arrayio.Writer.commit = commit_then_die
+        _arrayio.Writer.flush = commit_then_die
         jaxckpt.save({str(tmp_path / "new")!r}, {{"a": np.ones((600, 600), np.float32)}})
         """
     )

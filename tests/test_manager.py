@@ -331,7 +331,7 @@ class Crash(BaseException):
 
 
 def test_crash_between_state_update_and_deletion(tmp_path, monkeypatch):
-    manager = jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=2)
+    manager = jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=2, async_save=False)
     manager.save()
     manager.save()
 
@@ -358,7 +358,7 @@ def test_failed_deletion_warns_and_keeps_going(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(_manager, "_remove_tree", refuse)
-    with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=1) as manager:
+    with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=1, async_save=False) as manager:
         manager.save()
         with pytest.warns(UserWarning, match="ckpt-1"):
             assert manager.save() == str(tmp_path / "ckpt-2")
@@ -367,7 +367,7 @@ def test_failed_deletion_warns_and_keeps_going(tmp_path, monkeypatch):
 
 def test_failed_save_changes_nothing(tmp_path):
     ckpt = make_ckpt()
-    manager = jaxckpt.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    manager = jaxckpt.CheckpointManager(ckpt, tmp_path, max_to_keep=2, async_save=False)
     manager.save()
     manager.save()
     before = (tmp_path / "checkpoint").read_bytes()

@@ -1,0 +1,174 @@
+"""Asynchronous saves: the call returns after the snapshot; everything else runs behind, safely."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxckpt
+from jaxckpt import _arrayio
+
+
+def sharded_state(seed=0):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    w = jax.random.normal(jax.random.key(seed), (512, 1024))  # 2 MiB: its own zarr3 array
+    return {"w": jax.device_put(w, NamedSharding(mesh, P("x", "y"))), "b": jnp.arange(8.0), "step": 3}
+
+
+def test_values_are_those_of_the_call_even_when_the_train_step_donates(tmp_path):
+    state = sharded_state()
+    expected = jax.tree.map(np.asarray, state)
+    ckpt = jaxckpt.Checkpoint(state=state)
+
+    donating = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s), donate_argnums=0)
+    path = ckpt.save(tmp_path / "ckpt", blocking=False)
+    for _ in range(3):  # the training loop goes on at once, donating the saved buffers
+        ckpt.state = {**donating({k: v for k, v in ckpt.state.items() if k != "step"}), "step": ckpt.state["step"] + 1}
+    ckpt.wait_until_finished()
+    restored = jaxckpt.restore(path)["state"]
+    np.testing.assert_array_equal(restored["w"], expected["w"])
+    np.testing.assert_array_equal(restored["b"], expected["b"])
+    assert restored["step"] == 3
+
+
+def test_numpy_leaves_changed_in_place_after_the_call_are_saved_as_they_were(tmp_path):
+    data = {"buffer": np.arange(400_000, dtype=np.float32), "small": np.ones(3)}
+    path = jaxckpt.save(tmp_path / "c", data, blocking=False)
+    data["buffer"][:] = -1
+    data["small"][:] = -1
+    jaxckpt.wait_until_finished()
+    restored = jaxckpt.restore(path)
+    np.testing.assert_array_equal(restored["buffer"], np.arange(400_000, dtype=np.float32))
+    np.testing.assert_array_equal(restored["small"], np.ones(3))
+
+
+def test_a_save_waits_for_the_previous_one(tmp_path):
+    ckpt = jaxckpt.Checkpoint(state=sharded_state())
+    first = ckpt.save(tmp_path / "ckpt", blocking=False)
+    second = ckpt.save(tmp_path / "ckpt", blocking=False)
+    assert jaxckpt.restore(first)["save_counter"] == 1  # finished before the second call returned
+    ckpt.wait_until_finished()
+    assert jaxckpt.restore(second)["save_counter"] == 2
+
+
+def test_background_errors_surface_on_the_next_call_and_on_wait(tmp_path, monkeypatch):
+    real_flush = _arrayio.Writer.flush
+    release = threading.Event()
+
+    def failing_flush(self):
+        release.wait()
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(_arrayio.Writer, "flush", failing_flush)
+    ckpt = jaxckpt.Checkpoint(state=sharded_state())
+    path = ckpt.save(tmp_path / "ckpt", blocking=False)
+    release.set()
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save(tmp_path / "ckpt", blocking=False)  # the next call raises the earlier failure
+    assert not os.path.exists(path) and os.listdir(tmp_path) == []
+    ckpt.wait_until_finished()  # the error was reported once; nothing is pending any more
+
+    path = ckpt.save(tmp_path / "ckpt", blocking=False)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.wait_until_finished()
+    monkeypatch.setattr(_arrayio.Writer, "flush", real_flush)
+    path = ckpt.save(tmp_path / "ckpt", blocking=False)  # space is back: saving works again
+    ckpt.wait_until_finished()
+    assert jaxckpt.restore(path)["save_counter"] == ckpt.save_counter
+
+
+def test_manager_saves_in_the_background_by_default(tmp_path):
+    ckpt = jaxckpt.Checkpoint(state=sharded_state(), step=0)
+    with jaxckpt.CheckpointManager(ckpt, tmp_path, max_to_keep=2, step_counter="step") as manager:
+        for step in range(1, 5):
+            ckpt.step = step
+            manager.save()
+        assert manager.checkpoints == [str(tmp_path / "ckpt-3"), str(tmp_path / "ckpt-4")]  # waits, then lists
+    assert jaxckpt.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-4")
+    fresh = jaxckpt.Checkpoint(state=sharded_state(seed=1), step=0)
+    fresh.restore(jaxckpt.latest_checkpoint(tmp_path)).assert_consumed()
+    assert fresh.step == 4 and fresh.state["w"].sharding == ckpt.state["w"].sharding
+
+
+def test_manager_background_failure_leaves_the_state_file_as_it_was(tmp_path, monkeypatch):
+    ckpt = jaxckpt.Checkpoint(state=sharded_state())
+    manager = jaxckpt.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    manager.save()
+    manager.wait_until_finished()
+    before = (tmp_path / "checkpoint").read_bytes()
+
+    def failing_flush(self):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_arrayio.Writer, "flush", failing_flush)
+    manager.save()
+    with pytest.raises(OSError, match="disk full"):
+        manager.wait_until_finished()
+    assert (tmp_path / "checkpoint").read_bytes() == before
+    assert manager.checkpoints == [str(tmp_path / "ckpt-1")]
+    manager.close()
+
+
+def _run(script, env=None):
+    env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env, timeout=180
+    )
+
+
+def test_pending_save_is_finished_at_interpreter_exit(tmp_path):
+    proc = _run(
+        f"""
+        import numpy as np, jaxckpt
+        ckpt = jaxckpt.Checkpoint(x=np.arange(3_000_000, dtype=np.float32))
+        ckpt.save({str(tmp_path / "ckpt")!r}, blocking=False)
+        """  # exits at once, with the save pending
+    )
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_array_equal(
+        jaxckpt.load_variable(tmp_path / "ckpt-1", "x"), np.arange(3_000_000, dtype=np.float32)
+    )
+
+
+def test_failed_save_at_exit_is_reported(tmp_path):
+    proc = _run(
+        f"""
+        import numpy as np, jaxckpt
+        from jaxckpt import _arrayio
+        def fail(self):
+            raise OSError("disk full at exit")
+        _arrayio.Writer.flush = fail
+        jaxckpt.save({str(tmp_path / "c")!r}, {{"x": np.ones(3)}}, blocking=False)
+        """
+    )
+    assert "background save failed" in proc.stderr and "disk full at exit" in proc.stderr
+    assert not (tmp_path / "c").exists()
+
+
+def test_host_memory_stays_within_the_budget(tmp_path):
+    """Copies held by a save are bounded: a state four times the budget is written in parts."""
+    proc = _run(
+        f"""
+        import numpy as np, jaxckpt
+        def rss(field):
+            return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) * 1024
+        state = {{f"a{{i}}": np.random.default_rng(i).standard_normal(8_000_000).astype(np.float32) for i in range(8)}}
+        size = sum(a.nbytes for a in state.values())  # 256 MB of numpy arrays: each one copied by a save
+        open("/proc/self/clear_refs", "w").write("5")
+        base = rss("VmRSS")
+        jaxckpt.save({str(tmp_path / "c")!r}, state)
+        print(size, rss("VmHWM") - base)
+        """,
+        env={"JAXCKPT_HOST_MEMORY_BUDGET": str(64 << 20)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    size, growth = map(int, proc.stdout.split())
+    assert growth < size / 2, f"peak RSS grew by {growth / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB state"
+    assert len(jaxckpt.list_variables(tmp_path / "c")) == 8
