@@ -16,11 +16,10 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._errors import CheckpointCorruptedError
+from jaxckpt._errors import CheckpointCorruptedError, JaxckptError
 from jaxckpt._tree import describe
 
 # Leaves up to this many bytes are packed; larger ones get a zarr3 array of their own.
@@ -79,19 +78,6 @@ def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> li
         i = max(range(len(chunks)), key=chunks.__getitem__)
         chunks[i] = -(-chunks[i] // 2)
     return chunks
-
-
-def shard_shape(x: jax.Array) -> list[int]:
-    """The largest shard of ``x``, from the global index map.
-
-    Every process agrees on it, and uneven shardings (10 rows over 4 devices) have no single
-    ``shard_shape``.
-    """
-    shape = [1] * x.ndim
-    for index in x.sharding.devices_indices_map(x.shape).values():
-        for d, (s, n) in enumerate(zip(index, x.shape)):
-            shape[d] = max(shape[d], len(range(*s.indices(n))))
-    return shape
 
 
 class Writer:
@@ -206,5 +192,7 @@ def resolve(pending: Any) -> np.ndarray:
     key, path, future = pending
     try:
         return future.result()
+    except JaxckptError:
+        raise
     except Exception as e:
         raise _corrupted(key, path, e) from e

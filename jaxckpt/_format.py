@@ -24,7 +24,14 @@ from jaxckpt._tree import NODE_KINDS, NodeInfo, child_keys, describe
 FORMAT_NAME = "jaxckpt"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
-DATA_DIR = "data"  # an OCDBT database holding every zarr3 array of the checkpoint
+DATA_DIR = "data"  # an OCDBT database holding the zarr3 arrays that process 0 wrote
+_STORE = re.compile(r"^data(\.p[1-9][0-9]{0,5})?$")
+
+
+def data_store(process: int) -> str:
+    """The data store (OCDBT database folder) that process ``process`` writes."""
+    return DATA_DIR if process == 0 else f"{DATA_DIR}.p{process}"
+
 
 MAX_RANK = 64
 _ARRAY_PATH = re.compile(r"^a/[0-9]{1,9}$")
@@ -66,10 +73,16 @@ def dtype_name(dtype: np.dtype) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class InArray:
-    """The leaf is its own zarr3 array at ``path`` in the data store, stored as ``stored`` dtype."""
+    """The leaf is its own zarr3 array at ``path``, stored as ``stored`` dtype.
+
+    With ``regions`` None, the whole array is in the data store of process 0 (``data``). A save by
+    several processes writes each region (shard) into the data store of the process that owns it;
+    ``regions`` then maps each store to its regions, each a list of ``(start, stop)`` per dimension.
+    """
 
     path: str
     stored: str
+    regions: dict[str, list[list[tuple[int, int]]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +174,10 @@ def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
     at = leaf.at
     if isinstance(at, InArray):
         out["at"] = {"array": at.path, "stored": at.stored}
+        if at.regions is not None:
+            out["at"]["regions"] = {
+                store: [[list(r) for r in region] for region in regions] for store, regions in at.regions.items()
+            }
     else:
         out["at"] = {"pack": at.pack, "offset": at.offset, "nbytes": at.nbytes, "crc32": at.crc32}
     return out
@@ -316,7 +333,7 @@ def _parse_leaf(raw: Any, packs: list[Pack], where: str) -> Leaf:
         stored = _get(at_raw, "stored", str, where)
         if stored not in DTYPES or DTYPES[stored].itemsize != dtype.itemsize:
             raise _fail(where, f"stored dtype {stored!r} does not fit dtype {name!r}")
-        at = InArray(path, stored)
+        at = InArray(path, stored, _parse_regions(at_raw.get("regions"), shape, where))
     else:
         pack = _nonneg_int(at_raw, "pack", where)
         offset = _nonneg_int(at_raw, "offset", where)
@@ -327,6 +344,35 @@ def _parse_leaf(raw: Any, packs: list[Pack], where: str) -> Leaf:
             raise _fail(where, f"{size} stored bytes cannot hold shape {tuple(shape)} of {name}")
         at = InPack(pack, offset, size, _nonneg_int(at_raw, "crc32", where))
     return ArrayLeaf(dtype, tuple(shape), container, at, impl, sharding)
+
+
+def _parse_regions(raw: Any, shape: list[int], where: str) -> dict[str, list[list[tuple[int, int]]]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _fail(where, "field 'regions' is not an object")
+    out: dict[str, list[list[tuple[int, int]]]] = {}
+    volume = 0
+    for store, regions in raw.items():
+        if not _STORE.match(store):
+            raise _fail(where, f"data store {store!r} is not of the form 'data' or 'data.p<n>'")
+        if not isinstance(regions, list):
+            raise _fail(where, f"regions of {store!r} are not a list")
+        parsed = []
+        for region in regions:
+            ok = isinstance(region, list) and len(region) == len(shape)
+            ok = ok and all(
+                isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] <= r[1] <= n
+                for r, n in zip(region, shape)
+            )
+            if not ok:
+                raise _fail(where, f"region {region!r} of {store!r} does not lie within shape {tuple(shape)}")
+            parsed.append([(a, b) for a, b in region])
+            volume += math.prod(b - a for a, b in region)
+        out[store] = parsed
+    if volume != math.prod(shape):
+        raise _fail(where, f"its regions cover {volume} elements of the {math.prod(shape)} in shape {tuple(shape)}")
+    return out
 
 
 def _check_graph(nodes: dict[str, NodeInfo], leaves: dict[str, Leaf], where: str) -> None:

@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _save, _storage
+from jaxckpt import _multihost, _save, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import (
@@ -360,15 +360,23 @@ class CheckpointManager:
         self._background = Background("CheckpointManager")
         self._path = _storage.local_path(directory)
         self._path.mkdir(parents=True, exist_ok=True)
-        lock = self._path / LOCK_FILE
-        self._release = weakref.finalize(self, _release_lock, str(lock), _acquire_lock(lock))
+        # In a multi-process run, only the primary owns the directory: it holds the lock, writes the
+        # state file and deletes; the others keep the same list of checkpoints in memory.
+        self._primary = _multihost.is_primary()
+        if self._primary:
+            lock = self._path / LOCK_FILE
+            self._release = weakref.finalize(self, _release_lock, str(lock), _acquire_lock(lock))
+        else:
+            self._release = weakref.finalize(self, lambda: None)
         try:
             infos = _read_state(self._directory)
             if infos is None:
-                self._adopt_empty_directory()
+                if self._primary:
+                    self._adopt_empty_directory()
                 infos = []
             self._infos: list[CheckpointInfo] = infos
-            self._remove_leftovers()
+            if self._primary:
+                self._remove_leftovers()
         except BaseException:
             self.close()
             raise
@@ -506,6 +514,9 @@ class CheckpointManager:
         # garbage that the next manager removes.
         candidates = [*self._infos, info]
         kept = self._retain(candidates)
+        if not self._primary:
+            self._infos = kept
+            return
         _write_state(self._path, kept)
         self._infos = kept
         kept_paths = {c.path for c in kept}

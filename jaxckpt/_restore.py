@@ -161,7 +161,7 @@ class Opened:
         self.path = _storage.local_path(path)
         where = repr(str(self.path / INDEX_FILE))
         self.index: Index = decode_index(_storage.read_index_bytes(self.path), where)
-        self._reader = _arrayio.Reader(str(self.path / DATA_DIR))
+        self._readers: dict[str, _arrayio.Reader] = {}
 
     def leaf(self, key: str) -> Leaf:
         try:
@@ -196,7 +196,7 @@ class Opened:
             else:
                 spans.append([at.offset, at.offset + at.nbytes])
         info = self.index.packs[pack]
-        pending = self._reader.read_pack_spans(info.path, info.nbytes, [tuple(s) for s in spans])
+        pending = self._reader_of(DATA_DIR).read_pack_spans(info.path, info.nbytes, [tuple(s) for s in spans])
         buffers = [(start, _arrayio.resolve(p)) for (start, _), p in zip(spans, pending)]
         out = {}
         for k in ordered:
@@ -211,25 +211,35 @@ class Opened:
             out[k] = raw.view(leaf.dtype).reshape(leaf.shape)
         return out
 
+    def _reader_of(self, store: str) -> _arrayio.Reader:
+        if store not in self._readers:
+            self._readers[store] = _arrayio.Reader(str(self.path / store))
+        return self._readers[store]
+
     def _read_arrays(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         leaves = {k: self.index.leaves[k] for k in wanted}
-        stores = self._reader.open_arrays((k, leaf.at.path, leaf.at.stored, leaf.shape) for k, leaf in leaves.items())
+        # Open every array in every data store that holds part of it, all at once.
+        requests: dict[str, list[tuple[str, str, str, tuple[int, ...]]]] = defaultdict(list)
+        for k, leaf in leaves.items():
+            for store in leaf.at.regions or (DATA_DIR,):
+                requests[store].append((k, leaf.at.path, leaf.at.stored, leaf.shape))
+        stores = {store: self._reader_of(store).open_arrays(reqs) for store, reqs in requests.items()}
         plans = {}
         for key, template in wanted.items():
             leaf = leaves[key]
             sharding = None if leaf.prng_impl else _target_sharding(template)
             if sharding is None:
-                regions = {(): tuple(slice(None) for _ in leaf.shape)}
                 devices = None
-            else:
+                targets = {(): tuple(slice(None) for _ in leaf.shape)}
+            else:  # only the regions this process's devices hold
                 devices = sharding.addressable_devices_indices_map(leaf.shape)
-                regions = {_hashable(i): i for i in devices.values()}
-            futures = self._reader.read_regions(key, leaf.at.path, stores[key], list(regions.values()))
-            plans[key] = (sharding, devices, dict(zip(regions, futures)))
+                targets = {_hashable(i): i for i in devices.values()}
+            pending = {h: self._start_read(key, leaf, stores, index) for h, index in targets.items()}
+            plans[key] = (sharding, devices, pending)
         out = {}
-        for key, (sharding, devices, futures) in plans.items():
+        for key, (sharding, devices, pending) in plans.items():
             leaf = leaves[key]
-            host = {h: self._as_logical(leaf, _arrayio.resolve(f)) for h, f in futures.items()}
+            host = {h: self._as_logical(leaf, _arrayio.resolve(p)) for h, p in pending.items()}
             if sharding is None:
                 out[key] = host[()]
             else:
@@ -237,9 +247,43 @@ class Opened:
                 out[key] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
         return out
 
+    def _start_read(self, key: str, leaf: ArrayLeaf, stores: Mapping[str, Any], index: tuple[slice, ...]) -> Any:
+        """Start reading ``index`` of the array: from one store, or assembled from the stores that
+        hold the regions it overlaps."""
+        at = leaf.at
+        if at.regions is None:
+            store = stores[DATA_DIR][key]
+            return self._reader_of(DATA_DIR).read_regions(key, at.path, store, [index])[0]
+        want = [s.indices(n)[:2] for s, n in zip(index, leaf.shape)]
+        pieces = []
+        for name, regions in at.regions.items():
+            for region in regions:
+                overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want, region)]
+                if all(lo < hi for lo, hi in overlap) or (not overlap and not pieces):
+                    source = tuple(slice(lo, hi) for lo, hi in overlap)
+                    into = tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(overlap, want))
+                    pieces.append(
+                        (into, self._reader_of(name).read_regions(key, at.path, stores[name][key], [source])[0])
+                    )
+        shape = tuple(hi - lo for lo, hi in want)
+        return (key, at.path, _Assembly(shape, np.dtype(at.stored), pieces))
+
     @staticmethod
     def _as_logical(leaf: ArrayLeaf, data: np.ndarray) -> np.ndarray:
         return data if data.dtype == leaf.dtype else data.view(leaf.dtype)
+
+
+class _Assembly:
+    """One region of an array, put together from pieces read from several data stores."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, pieces: list[tuple[tuple[slice, ...], Any]]) -> None:
+        self._shape, self._dtype, self._pieces = shape, dtype, pieces
+
+    def result(self) -> np.ndarray:
+        out = np.empty(self._shape, self._dtype)
+        for into, pending in self._pieces:
+            out[into] = _arrayio.resolve(pending)
+        return out
 
 
 def _missing_key_message(index: Index, key: str, path: str) -> str:

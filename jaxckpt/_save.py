@@ -12,10 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _arrayio, _storage
+from jaxckpt import _arrayio, _multihost, _storage
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
-    DATA_DIR,
     INDEX_FILE,
     JAX,
     NUMPY,
@@ -27,6 +26,7 @@ from jaxckpt._format import (
     Leaf,
     Pack,
     ValueLeaf,
+    data_store,
     dtype_name,
     encode_index,
 )
@@ -129,25 +129,46 @@ def _on_cpu(x: jax.Array) -> bool:
     return all(d.platform == "cpu" for d in x.sharding.device_set)
 
 
-def _snapshot(x: Any) -> tuple[list[int], list[tuple[tuple[slice, ...], np.ndarray]], int]:
-    """Host data of what this process writes of ``x``: (shard shape, [(region, data)], bytes copied).
+def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
-    A jax.Array gives its addressable shards of replica 0 (each replicated shard once). On CPU,
-    ``np.asarray`` of a shard is a read-only view of its buffer: no copy, and safe even when the
-    train step donates the array right after, since XLA does not reuse a buffer that a view holds.
-    On an accelerator it is the device-to-host copy. A numpy array is copied, because its owner may
-    change it in place once the save has returned.
+
+def _owners(x: Any) -> dict[tuple[tuple[int, int], ...], Any]:
+    """Each region (shard) of ``x`` -> the device that writes it: the first to hold it, in the
+    sharding's device order, which every process sees alike. Host data belongs to process 0."""
+    if not isinstance(x, jax.Array):
+        return {tuple((0, n) for n in np.shape(x)): None}
+    owners: dict[tuple[tuple[int, int], ...], Any] = {}
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+        owners.setdefault(_region(index, x.shape), device)
+    return owners
+
+
+def _process_of(device: Any) -> int:
+    return 0 if device is None else device.process_index
+
+
+def _snapshot(
+    x: Any, owners: dict[tuple[tuple[int, int], ...], Any]
+) -> tuple[list[tuple[tuple[slice, ...], np.ndarray]], int]:
+    """Host data of the regions of ``x`` that this process owns: ([(region, data)], bytes copied).
+
+    For a jax.Array, the shards on owning devices here. On CPU, ``np.asarray`` of a shard is a
+    read-only view of its buffer: no copy, and safe even when the train step donates the array right
+    after, since XLA does not reuse a buffer that a view holds. On an accelerator it is the
+    device-to-host copy. A numpy array is copied, because its owner may change it in place once the
+    save has returned.
     """
     if isinstance(x, jax.Array):
-        if len(x.sharding.device_set) > 1:
-            shards = [s for s in x.addressable_shards if s.replica_id == 0]
-            chunks = _arrayio.shard_shape(x)
-        else:
-            shards, chunks = x.addressable_shards[:1], list(x.shape)
-        parts = [(s.index, np.asarray(s.data)) for s in shards]
-        return chunks, parts, 0 if _on_cpu(x) else sum(d.nbytes for _, d in parts)
+        mine = {region for region, device in owners.items() if device in x.sharding.addressable_devices}
+        parts = [
+            (s.index, np.asarray(s.data))
+            for s in x.addressable_shards
+            if owners[_region(s.index, x.shape)] == s.device and _region(s.index, x.shape) in mine
+        ]
+        return parts, 0 if _on_cpu(x) else sum(d.nbytes for _, d in parts)
     data = np.array(x, copy=True)
-    return list(data.shape), [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
+    return [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
 
 
 def host_memory_budget() -> int:
@@ -168,6 +189,7 @@ class Prepared:
     path: str
     dest: Path
     staging: Path
+    token: str
     overwrite: bool
     index: Index
     writer: _arrayio.Writer
@@ -177,8 +199,9 @@ class Prepared:
 def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False) -> Prepared:
     """The blocking part of a save: check the destination, record every leaf, snapshot array data.
 
-    When the snapshot's copies outgrow the host memory budget, what is recorded so far is written
-    out first, so a state larger than the budget costs a longer call, not more memory.
+    Every process of a multi-process run calls it alike; each snapshots the regions it owns. When
+    the snapshot's copies outgrow the host memory budget, what is recorded so far is written out
+    first, so a state larger than the budget costs a longer call, not more memory.
     """
     dest = _storage.local_path(path)
     _storage.check_writable(dest, overwrite)
@@ -186,9 +209,11 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False)
     for x in flat.leaves.values():  # start every device-to-host copy before waiting for any
         if isinstance(x, jax.Array) and not _on_cpu(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x.copy_to_host_async()
-    staging = _storage.staging_folder(dest)
+    me = _multihost.process_index()
+    token = _multihost.shared_token()
+    staging = _storage.staging_folder(dest, token)
     try:
-        writer = _arrayio.Writer(str(staging / DATA_DIR))
+        writer = _arrayio.Writer(str(staging / data_store(me)))
         packer = _Packer()
         leaves: dict[str, Leaf] = {}
         budget, held, arrays = host_memory_budget(), 0, 0
@@ -204,16 +229,24 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False)
             if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
                 raise _unsupported(key, x)
             record, data = _array_leaf(key, x)
-            shards, parts, copied = _snapshot(data)
-            if record.nbytes <= _arrayio.PACK_LEAF_LIMIT:
-                whole = parts[0][1] if len(parts) == 1 and parts[0][1].shape == record.shape else np.asarray(data)
-                at: InArray | InPack = packer.add(whole)
+            owners = _owners(data)
+            by_process: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+            for region, device in owners.items():
+                by_process.setdefault(_process_of(device), []).append(region)
+            # Every process takes the same decisions here, so array numbers agree across processes.
+            if record.nbytes <= _arrayio.PACK_LEAF_LIMIT and set(by_process) == {0}:
+                at: InArray | InPack = packer.add(np.asarray(data)) if me == 0 else InPack(0, 0, 0, 0)
             else:
-                at = InArray(f"a/{arrays}", _arrayio.stored_dtype(record.dtype))
+                regions = None
+                if set(by_process) != {0}:
+                    regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
+                at = InArray(f"a/{arrays}", _arrayio.stored_dtype(record.dtype), regions)
                 arrays += 1
+                parts, copied = _snapshot(data, owners) if me in by_process else ([], 0)
+                shards = [max(b - a for a, b in dims) for dims in zip(*owners)] if record.shape else []
                 writer.add_array(at.path, record.shape, record.dtype, shards, parts)
+                held += copied
             leaves[key] = ArrayLeaf(record.dtype, record.shape, record.container, at, record.prng_impl, record.sharding)
-            held += copied
             if held > budget:
                 packer.hand_over(writer, last=False)
                 writer.flush()
@@ -223,18 +256,24 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False)
     except BaseException:
         _storage.discard(staging)
         raise
-    return Prepared(os.fspath(path), dest, staging, overwrite, index, writer, packer)
+    return Prepared(os.fspath(path), dest, staging, token, overwrite, index, writer, packer)
 
 
 def finish(p: Prepared) -> str:
-    """The rest of a save: write the data, then the index, then publish; returns the path."""
+    """The rest of a save: write the data, wait for every process, then the primary writes the index
+    and publishes; returns the path once the checkpoint is visible."""
+    primary = _multihost.is_primary()
     try:
         p.packer.hand_over(p.writer, last=True)
         p.writer.flush()
-        _storage.write_durable(p.staging / INDEX_FILE, encode_index(p.index))
-        _storage.publish(p.staging, p.dest, p.overwrite)
+        _multihost.barrier(f"{p.token}/written")  # every process's bytes are durable
+        if primary:
+            _storage.write_durable(p.staging / INDEX_FILE, encode_index(p.index))
+            _storage.publish(p.staging, p.dest, p.overwrite)
+        _multihost.barrier(f"{p.token}/published")
     except BaseException:
-        _storage.discard(p.staging)
+        if primary:  # the others may still be writing into it; a manager removes what is left
+            _storage.discard(p.staging)
         raise
     return p.path
 

@@ -71,10 +71,10 @@ def check_writable(path: Path, overwrite: bool) -> None:
     )
 
 
-def staging_folder(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f".{path.name}{PARTIAL_MARK}{uuid.uuid4().hex[:12]}"
-    staging.mkdir()
+def staging_folder(path: Path, token: str) -> Path:
+    """The hidden folder where a save of ``path`` is assembled (shared by all processes of a save)."""
+    staging = path.parent / f".{path.name}{PARTIAL_MARK}{token}"
+    staging.mkdir(parents=True, exist_ok=True)
     return staging
 
 

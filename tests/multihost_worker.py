@@ -1,0 +1,99 @@
+"""One process of a multi-process save or restore (tests/test_multihost.py starts several).
+
+    python multihost_worker.py MODE PROCESS_ID NUM_PROCESSES DEVICES_PER_PROCESS PORT PATH MESH
+
+MODE: save | restore | save-then-die (process 1 dies by SIGKILL once its bytes are written) |
+manager (two saves through a CheckpointManager). MESH: e.g. 4x2 over all devices of all processes.
+Every process builds the same global values from a seed, and checks its own shards after a restore.
+"""
+
+import os
+import signal
+import sys
+
+mode, pid, nproc, ndev, port, path, mesh_text = sys.argv[1:8]
+pid, nproc, ndev = int(pid), int(nproc), int(ndev)
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ndev}"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if nproc > 1:
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
+
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxckpt  # noqa: E402
+from jaxckpt import _arrayio  # noqa: E402
+
+mesh_shape = tuple(int(d) for d in mesh_text.split("x"))
+mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("x", "y"))
+rng = np.random.default_rng(7)
+VALUES = {
+    "xy": rng.standard_normal((64, 48)).astype(np.float32),  # 12 KB: packed only when process 0 owns all of it
+    "rows": rng.standard_normal((512, 640)).astype(np.float32),  # 1.3 MB: its own zarr3 array
+    "cols": rng.integers(0, 100, (16, 40_000)).astype(np.int32),
+    "replicated": rng.standard_normal((600, 600)).astype(np.float32),
+    "small_replicated": np.arange(10, dtype=np.float32),
+}
+SPECS = {"xy": P("x", "y"), "rows": P("x"), "cols": P(None, "y"), "replicated": P(), "small_replicated": P()}
+
+
+def sharding(name):
+    return NamedSharding(mesh, SPECS[name])
+
+
+def state():
+    arrays = {k: jax.make_array_from_callback(v.shape, sharding(k), lambda i, v=v: v[i]) for k, v in VALUES.items()}
+    return {**arrays, "step": 7}
+
+
+def check(restored):
+    for name, value in VALUES.items():
+        array = restored[name]
+        assert array.sharding == sharding(name), (name, array.sharding)
+        for shard in array.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index], err_msg=name)
+    assert restored["step"] == 7
+
+
+if mode == "save":
+    jaxckpt.Checkpoint(state=state()).write(path)
+elif mode == "save-then-die":
+    real_flush = _arrayio.Writer.flush
+
+    def flush_then_die(self):
+        real_flush(self)
+        if pid == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _arrayio.Writer.flush = flush_then_die
+    try:
+        jaxckpt.Checkpoint(state=state()).write(path)
+    except Exception as e:  # process 0 cannot finish without process 1: it must fail, not publish
+        print(f"save failed as expected: {type(e).__name__}", flush=True)
+        os._exit(3)
+elif mode == "restore":
+    template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k)) for k, v in VALUES.items()}
+    ckpt = jaxckpt.Checkpoint(state={**template, "step": 0})
+    ckpt.restore(path).assert_consumed()
+    check(ckpt.state)
+elif mode == "manager":
+    ckpt = jaxckpt.Checkpoint(state=state())
+    with jaxckpt.CheckpointManager(ckpt, path, max_to_keep=1) as manager:
+        manager.save()
+        manager.save()
+        assert manager.checkpoints == [os.path.join(path, "ckpt-2")], manager.checkpoints
+    fresh = jaxckpt.Checkpoint(
+        state={
+            **{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k)) for k, v in VALUES.items()},
+            "step": 0,
+        }
+    )
+    fresh.restore(jaxckpt.latest_checkpoint(path)).assert_consumed()
+    check(fresh.state)
+print(f"process {pid}: {mode} ok", flush=True)
+if nproc > 1:
+    jax.distributed.shutdown()

@@ -1,0 +1,107 @@
+"""Multi-process saves and restores on jax.distributed (local CPU processes, gloo collectives)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxckpt
+
+WORKER = Path(__file__).with_name("multihost_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(mode, path, nproc, ndev, mesh, timeout=240, env=None):
+    """Start ``nproc`` processes of the worker; return their (returncode, output)."""
+    port = free_port()
+    env = {**os.environ, **(env or {})}
+    env.pop("XLA_FLAGS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), mode, str(i), str(nproc), str(ndev), str(port), str(path), mesh],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(nproc)
+    ]
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append((p.returncode, out))
+    return results
+
+
+def ok(results, mode):
+    for i, (code, out) in enumerate(results):
+        assert code == 0 and f"process {i}: {mode} ok" in out, f"process {i} exited {code}:\n{out[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def saved_by_two(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mh") / "by-two"
+    ok(run("save", path, nproc=2, ndev=2, mesh="2x2"), "save")
+    return path
+
+
+def test_two_processes_write_one_checkpoint_each_its_own_shards(saved_by_two):
+    index = json.loads((saved_by_two / "index.json").read_text())
+    assert sorted(p.name for p in saved_by_two.iterdir()) == ["data", "data.p1", "index.json"]
+    rows = index["leaves"]["state/rows"]["at"]["regions"]
+    assert {store: len(r) for store, r in rows.items()} == {"data": 1, "data.p1": 1}  # each process its half
+    assert "regions" not in index["leaves"]["state/replicated"]["at"]  # replicated: written once, by process 0
+    assert "pack" in index["leaves"]["state/small_replicated"]["at"]
+    assert "regions" in index["leaves"]["state/xy"]["at"]  # small but sharded over processes: not packed
+
+
+def test_restore_with_other_process_counts_and_meshes(saved_by_two):
+    ok(run("restore", saved_by_two, nproc=4, ndev=2, mesh="2x4"), "restore")
+    ok(run("restore", saved_by_two, nproc=1, ndev=8, mesh="4x2"), "restore")
+
+
+def test_one_cpu_device_reads_what_many_processes_wrote(saved_by_two):
+    expected = np.random.default_rng(7).standard_normal((64, 48)).astype(np.float32)
+    np.testing.assert_array_equal(jaxckpt.load_variable(saved_by_two, "state/xy"), expected)
+    assert dict(jaxckpt.list_variables(saved_by_two))["state/cols"] == (16, 40_000)
+    assert jaxckpt.restore(saved_by_two)["state"]["step"] == 7
+
+
+def test_four_processes_save_and_two_restore(tmp_path):
+    path = tmp_path / "by-four"
+    ok(run("save", path, nproc=4, ndev=2, mesh="4x2"), "save")
+    assert sorted(p.name for p in path.iterdir()) == ["data", "data.p1", "data.p2", "data.p3", "index.json"]
+    ok(run("restore", path, nproc=2, ndev=2, mesh="2x2"), "restore")
+
+
+def test_manager_across_processes(tmp_path):
+    ok(run("manager", tmp_path, nproc=2, ndev=2, mesh="2x2"), "manager")
+    state = json.loads((tmp_path / "checkpoint").read_text())
+    assert [c["prefix"] for c in state["checkpoints"]] == ["ckpt-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "ckpt-2"]  # lock released, ckpt-1 gone
+
+
+def test_a_process_killed_mid_save_publishes_nothing(tmp_path, saved_by_two):
+    path = tmp_path / "never"
+    results = run("save-then-die", path, nproc=2, ndev=2, mesh="2x2", env={"JAXCKPT_BARRIER_TIMEOUT_S": "20"})
+    assert results[1][0] == -9  # process 1 was killed after writing its bytes
+    assert results[0][0] != 0, results[0][1]  # process 0 failed (or was stopped by the runtime): no publish
+    assert not path.exists()
+    with pytest.raises(jaxckpt.CheckpointNotFoundError):
+        jaxckpt.restore(path)
+    assert jaxckpt.restore(saved_by_two)["state"]["step"] == 7  # the previous checkpoint still restores
