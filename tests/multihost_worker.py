@@ -23,7 +23,8 @@ if nproc > 1:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
 
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
 from jaxckpt import _arrayio  # noqa: E402
