@@ -1,0 +1,8 @@
+"""``python -m jaxckpt ...``: the same command line as the ``jaxckpt`` console script."""
+
+import sys
+
+from jaxckpt._cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,709 @@
+"""The ``jaxckpt`` command: look into, compare and verify checkpoints from a shell.
+
+::
+
+    jaxckpt ls PATH [PATTERN ...]     keys as a tree (dtype, shape, size); a manager's directory: its checkpoints
+    jaxckpt show PATH KEY             one value: dtype, shape, sharding, statistics, the first values
+    jaxckpt diff A B [PATTERN ...]    keys added, removed, changed in shape or dtype; values that differ
+    jaxckpt verify PATH               read every byte and check every checksum
+
+Also ``python -m jaxckpt``. ``--json`` gives machine-readable output. Where a command wants one
+checkpoint and gets a manager's directory, it takes the directory's latest checkpoint (``verify``
+checks every checkpoint the directory lists). ``show``, ``diff`` and ``verify`` read arrays whole, in
+batches of up to 64 MiB, so memory stays near the size of the largest array; a progress bar on
+stderr follows them when stderr is a terminal.
+
+Exit status: 0 on success; 1 when the command fails (no checkpoint there, a damaged checkpoint, an
+unreadable file); 2 for a usage error (wrong arguments). ``diff`` follows diff(1): 0 when the
+checkpoints hold the same values, 1 when they differ, 2 when it cannot compare them. Errors are one
+line on stderr, ``jaxckpt: error: <message>``, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxckpt import _manager, _storage
+from jaxckpt._errors import CheckpointFormatError, JaxckptError, NotACheckpointError, UnsupportedVersionError
+from jaxckpt._format import INDEX_FILE, ArrayLeaf, InPack, Leaf, ValueLeaf
+from jaxckpt._inspect import (
+    CheckpointView,
+    ManagerView,
+    is_manager_directory,
+    json_value,
+    key_matcher,
+    leaf_json,
+    leaf_shape,
+    leaf_type,
+    selected,
+)
+from jaxckpt._progress import Progress, human_bytes
+from jaxckpt._restore import NO_TEMPLATE, Opened
+from jaxckpt._tree import describe
+
+# Values are read in batches of about this many bytes (a larger array alone), one `load` each:
+# few reads for many small leaves, and memory bounded by the batch or the largest array.
+BATCH_BYTES = 64 << 20
+# Arrays of at most this many elements are printed whole by `show`.
+_PRINT_WHOLE = 100
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """The arguments make no sense together (exit status 2)."""
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def _raw(leaf: ArrayLeaf, value: Any) -> np.ndarray:
+    """What ``load`` returned as plain numpy: PRNG keys as their key data."""
+    if leaf.prng_impl:
+        import jax
+
+        return np.asarray(jax.random.key_data(value))
+    return np.asarray(value)
+
+
+def batches(opened: Opened, keys: Sequence[str], budget: int = BATCH_BYTES) -> Iterator[list[str]]:
+    """``keys`` of array leaves in groups of about ``budget`` bytes, each to read with one ``load``.
+
+    Packed leaves are grouped by pack, in offset order, so that a group is one span of its pack.
+    Arrays are read whole (``Opened`` reads whole arrays), so a larger array is a group of its own.
+    """
+    leaves = opened.index.leaves
+    by_pack: dict[int, list[str]] = defaultdict(list)
+    arrays: list[str] = []
+    for key in keys:
+        at = leaves[key].at
+        (by_pack[at.pack] if isinstance(at, InPack) else arrays).append(key)
+    groups = [sorted(ks, key=lambda k: leaves[k].at.offset) for ks in by_pack.values()] + [arrays]
+    for group in groups:
+        batch, size = [], 0
+        for key in group:
+            if batch and size + leaves[key].nbytes > budget:
+                yield batch
+                batch, size = [], 0
+            batch.append(key)
+            size += leaves[key].nbytes
+        if batch:
+            yield batch
+
+
+def read_arrays(opened: Opened, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    """The arrays at ``keys`` as numpy (PRNG keys as key data), read and checksummed in one batch."""
+    values = opened.load(dict.fromkeys(keys, NO_TEMPLATE))
+    return {k: _raw(opened.index.leaves[k], v) for k, v in values.items()}
+
+
+# --- statistics --------------------------------------------------------------------------------
+
+
+def _numeric(data: np.ndarray) -> np.ndarray:
+    """Values to compute statistics on: ints stay exact, floats (bfloat16, float8...) become float64."""
+    name = data.dtype.name
+    if data.dtype == np.bool_:
+        return data.astype(np.uint8)
+    if name in ("int2", "int4"):
+        return data.astype(np.int8)
+    if name in ("uint2", "uint4"):
+        return data.astype(np.uint8)
+    if data.dtype.kind in "iu":
+        return data
+    if data.dtype.kind == "c":
+        return np.abs(data.astype(np.complex128))  # statistics of |x|
+    return data.astype(np.float64)
+
+
+@dataclasses.dataclass
+class Stats:
+    """Streaming statistics: min, max, mean, std and L2 norm of the finite values, NaN and Inf counts.
+
+    Arrays may be added in parts (slabs of a large array): parts are combined with Chan et al.'s
+    parallel update of the mean and the sum of squared deviations, which stays accurate where
+    sum-of-squares formulas cancel.
+    """
+
+    size: int = 0
+    nan: int = 0
+    inf: int = 0
+    finite: int = 0
+    min: Any = None
+    max: Any = None
+    mean: float = 0.0
+    m2: float = 0.0
+    sumsq: float = 0.0
+    of_abs: bool = False  # complex arrays: statistics of |x|
+
+    def add(self, data: np.ndarray) -> None:
+        self.size += data.size
+        self.of_abs = self.of_abs or data.dtype.kind == "c"
+        values = _numeric(data).reshape(-1)
+        if values.dtype.kind == "f":
+            nan = np.isnan(values)
+            inf = np.isinf(values)
+            self.nan += int(nan.sum())
+            self.inf += int(inf.sum())
+            if self.nan or self.inf:
+                values = values[~(nan | inf)]
+        if not values.size:
+            return
+        lo, hi = values.min().item(), values.max().item()
+        self.min = lo if self.min is None else min(self.min, lo)
+        self.max = hi if self.max is None else max(self.max, hi)
+        as_float = values.astype(np.float64)
+        n, mean = as_float.size, float(as_float.mean())
+        m2 = float(((as_float - mean) ** 2).sum())
+        total = self.finite + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.finite * n / total
+        self.finite = total
+        self.sumsq += float((as_float * as_float).sum())
+
+    def to_json(self) -> dict[str, Any]:
+        finite = self.finite > 0
+        return {
+            "size": self.size,
+            "finite": self.finite,
+            "nan": self.nan,
+            "inf": self.inf,
+            "min": json_value(self.min),
+            "max": json_value(self.max),
+            "mean": self.mean if finite else None,
+            "std": math.sqrt(self.m2 / self.finite) if finite else None,
+            "norm": math.sqrt(self.sumsq),
+            "of_abs": self.of_abs,
+        }
+
+
+def _number(x: Any) -> str:
+    if x is None:
+        return "-"
+    return str(x) if isinstance(x, int) else f"{x:.6g}"
+
+
+# --- output helpers ----------------------------------------------------------------------------
+
+
+def _error(message: str) -> None:
+    # The message alone: it names what and where, and a traceback would only bury it.
+    print(f"jaxckpt: error: {message}", file=sys.stderr)
+
+
+def _note(message: str) -> None:
+    print(f"jaxckpt: {message}", file=sys.stderr)
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False))
+
+
+def _tree_ascii() -> bool:
+    """Draw trees in ASCII where stdout cannot encode box-drawing characters (LANG=C, cp1252)."""
+    try:
+        "├└│".encode(sys.stdout.encoding or "ascii")
+        return False
+    except (UnicodeEncodeError, LookupError):
+        return True
+
+
+def _not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointError:
+    """The error, with the checkpoints the folder holds, if any: the usual slip is one level too high."""
+    local = _storage.local_path(path)
+    try:
+        found = sorted(e.name for e in os.scandir(local) if e.is_dir() and (Path(e.path) / INDEX_FILE).is_file())
+    except OSError:
+        found = []
+    if not found:
+        return error
+    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return NotACheckpointError(f"{path!r} is not a checkpoint, but it holds checkpoints: {shown}. Pass one of them.")
+
+
+def _open_view(path: str, patterns: Sequence[str] = ()) -> CheckpointView:
+    try:
+        return CheckpointView(path, patterns)
+    except NotACheckpointError as e:
+        raise _not_a_checkpoint(path, e) from None
+
+
+def _one_checkpoint(path: str) -> str:
+    """``path``, or the latest checkpoint if ``path`` is a manager's directory."""
+    if not is_manager_directory(path):
+        return path
+    latest = _manager.latest_checkpoint(path)
+    if latest is None:
+        raise NotACheckpointError(f"{path!r} is a manager's directory, but its state file lists no checkpoint.")
+    _note(f"{path} is a manager's directory; using its latest checkpoint, {latest}")
+    return latest
+
+
+# --- ls ----------------------------------------------------------------------------------------
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    if is_manager_directory(args.path):
+        if args.patterns:
+            raise UsageError(
+                f"{args.path!r} is a manager's directory, which lists checkpoints; patterns select keys "
+                f"of one checkpoint. Pass one of them, e.g. {_manager.latest_checkpoint(args.path)!r}."
+            )
+        view: CheckpointView | ManagerView = ManagerView(args.path)
+    else:
+        view = _open_view(args.path, args.patterns)
+    if args.json:
+        _print_json(view.to_json())
+    elif args.flat and isinstance(view, CheckpointView):
+        for key, leaf in view.leaves.items():
+            print("\t".join([key, *_describe(leaf)]))
+    elif isinstance(view, CheckpointView):
+        print(view.text(ascii=_tree_ascii()))
+    else:
+        print(view.text())
+    if isinstance(view, CheckpointView) and args.patterns and not len(view):
+        _note(f"no key matches {' or '.join(map(repr, args.patterns))}")
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _describe(leaf: Leaf) -> list[str]:
+    """Type, shape (or value) and bytes, as the columns of ``ls --flat``."""
+    if isinstance(leaf, ValueLeaf):
+        return [leaf.type, json.dumps(json_value(leaf.value), ensure_ascii=False), "0"]
+    return [leaf_type(leaf), str(leaf_shape(leaf)), str(leaf.nbytes)]
+
+
+# --- show --------------------------------------------------------------------------------------
+
+
+def _where(leaf: ArrayLeaf) -> str:
+    at = leaf.at
+    if isinstance(at, InPack):
+        return f"packed: pack {at.pack}, bytes {at.offset}..{at.offset + at.nbytes}, crc32 {at.crc32:08x}"
+    return f"zarr3 array {at.path}/ (stored as {at.stored}, each chunk with a crc32c)"
+
+
+def _first_values(opened: Opened, key: str, leaf: ArrayLeaf, count: int, progress: Progress) -> tuple[Stats, Any]:
+    """Statistics of the whole array, and its first ``count`` values (all of it if it is small)."""
+    data = read_arrays(opened, [key])[key]
+    progress.update(data.nbytes)
+    stats = Stats()
+    if not leaf.prng_impl:
+        stats.add(data)
+    if data.size <= max(count, _PRINT_WHOLE):
+        return stats, data
+    return stats, data.reshape(-1)[:count]
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    if args.values < 0:
+        raise UsageError(f"--values must be 0 or more, not {args.values}.")
+    path = _one_checkpoint(args.path)
+    view = _open_view(path)
+    index, key = view.index, args.key
+    if key in index.nodes:
+        info = index.nodes[key]
+        sub = view.filter(key)
+        if args.json:
+            _print_json({**sub.to_json(), "node": {"key": key, "kind": info.kind, "class": info.cls}})
+        else:
+            print(f"{describe(key)} is a node ({info.kind}, {info.cls}), not a value; it holds:")
+            print(sub.text(ascii=_tree_ascii()))
+        return EXIT_OK
+    leaf = view._opened.leaf(key)  # MissingKeyError, with close matches, for a wrong key
+    if isinstance(leaf, ValueLeaf):
+        if args.json:
+            _print_json(leaf_json(key, leaf))
+        else:
+            rows = [("key", key), ("type", _VALUE_TYPES.get(leaf.type, f"Python {leaf.type}"))]
+            value = json.dumps(json_value(leaf.value), indent=2, ensure_ascii=False) if leaf.type != "none" else "None"
+            _print_rows([*rows, ("value", value)])
+        return EXIT_OK
+    with Progress(leaf.nbytes, f"show {key}") as progress:
+        stats, first = _first_values(view._opened, key, leaf, args.values, progress)
+    doc = {**leaf_json(key, leaf), "stored": _where(leaf)}
+    if not leaf.prng_impl:
+        doc["stats"] = stats.to_json()
+    doc["first_values"] = json_value(_as_list(first))
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    size = math.prod(leaf_shape(leaf))
+    rows = [
+        ("key", key),
+        ("type", f"PRNG key array ({leaf.prng_impl}); its key data is shown" if leaf.prng_impl else "array"),
+        ("dtype", leaf.dtype.name),
+        ("shape", f"{leaf_shape(leaf)}, {size:,} element{'s' if size != 1 else ''}"),
+        ("size", f"{human_bytes(leaf.nbytes)} ({leaf.nbytes:,} bytes)"),
+        ("restores as", {"jax": "jax.Array", "numpy": "numpy array", "numpy_scalar": "numpy scalar"}[leaf.container]),
+        ("sharding", leaf.sharding or "none recorded (one device, or a numpy array)"),
+        ("stored", _where(leaf)),
+    ]
+    if not leaf.prng_impl and stats.size:
+        s = stats.to_json()
+        of = " of |x|" if stats.of_abs else ""
+        finite = f" (of the {stats.finite:,} finite values)" if stats.nan or stats.inf else ""
+        rows += [
+            (f"min{of}", _number(s["min"]) + finite),
+            (f"max{of}", _number(s["max"])),
+            (f"mean{of}", _number(s["mean"])),
+            (f"std{of}", _number(s["std"])),
+            ("norm", _number(s["norm"])),
+            ("nan", f"{stats.nan:,}"),
+            ("inf", f"{stats.inf:,}"),
+        ]
+    label = "values" if first.size == math.prod(leaf.shape) else f"first {first.size}"
+    rows.append((label, np.array2string(first, threshold=10 * _PRINT_WHOLE, separator=", ")))
+    _print_rows(rows)
+    return EXIT_OK
+
+
+_VALUE_TYPES = {
+    "state": "object state (the JSON of get_state(), given to set_state() on restore)",
+    "none": "None",
+}
+
+
+def _as_list(values: np.ndarray) -> Any:
+    if values.dtype.kind in "biufc" and values.dtype.kind != "c":
+        return values.tolist()
+    if values.dtype.kind == "c":
+        return [[float(v.real), float(v.imag)] for v in values.reshape(-1)]
+    return values.astype(np.float64).tolist()  # bfloat16, float8, int4...: exact in float64
+
+
+def _print_rows(rows: Sequence[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for name, value in rows:
+        lines = str(value).split("\n")
+        print(f"{name:<{width}}  {lines[0]}")
+        for line in lines[1:]:
+            print(f"{'':<{width}}  {line}")
+
+
+# --- diff --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Diff:
+    """How checkpoint B differs from checkpoint A."""
+
+    added: list[str] = dataclasses.field(default_factory=list)
+    removed: list[str] = dataclasses.field(default_factory=list)
+    changed: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # key, A's kind, B's kind
+    different: list[tuple[str, float | None, str]] = dataclasses.field(default_factory=list)  # key, max |a-b|, text
+    same: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not (self.added or self.removed or self.changed or self.different)
+
+
+def _kind(leaf: Leaf) -> str:
+    if isinstance(leaf, ValueLeaf):
+        return leaf.type
+    return f"{leaf_type(leaf)} {leaf_shape(leaf)}"
+
+
+def _comparable(x: np.ndarray) -> np.ndarray:
+    """Values that compare exactly: ints as ints, every float type as float64, complex as complex128."""
+    return x.astype(np.complex128) if x.dtype.kind == "c" else _numeric(x)
+
+
+def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| of two arrays of one dtype and shape; NaN where NaN meets a number, NaN == NaN."""
+    a, b = _comparable(a), _comparable(b)
+    equal = a == b
+    if a.dtype.kind in "fc":
+        equal |= np.isnan(a) & np.isnan(b)
+    if equal.all():
+        return 0.0
+    to = np.complex128 if a.dtype.kind == "c" else np.float64  # floats: no integer wraparound
+    d = np.abs(a[~equal].astype(to) - b[~equal].astype(to))
+    return float("nan") if np.isnan(d).any() else float(d.max())
+
+
+def diff(a: str, b: str, patterns: Sequence[str] = (), *, atol: float = 0.0, progress: Progress | None = None) -> Diff:
+    """Compare the values of two checkpoints key by key (only the keys matching ``patterns``, if any)."""
+    va, vb = _open_view(a, patterns), _open_view(b, patterns)
+    la, lb = va.leaves, vb.leaves
+    out = Diff()
+    out.removed = [k for k in la if k not in lb]
+    out.added = [k for k in lb if k not in la]
+    match = key_matcher(patterns)
+    nodes_b = vb.index.nodes
+    for key, info in va.index.nodes.items():  # a list that became a tuple, a dict that became a module...
+        if key in nodes_b and info.kind != nodes_b[key].kind and (match is None or selected(key, match)):
+            out.changed.append((key, info.kind, nodes_b[key].kind))
+    progress = progress or Progress(0, "", enabled=False)
+    verdicts: dict[str, tuple[float | None, str] | None] = {}  # key -> None (same) or (max |a-b|, text)
+    comparable: list[str] = []  # arrays of one dtype and shape on both sides
+    for key, x in la.items():
+        y = lb.get(key)
+        if y is None:
+            continue
+        if _kind(x) != _kind(y) or (isinstance(x, ArrayLeaf) and x.prng_impl != y.prng_impl):
+            out.changed.append((key, _kind(x), _kind(y)))
+        elif isinstance(x, ValueLeaf):
+            if json.dumps(json_value(x.value), sort_keys=True) == json.dumps(json_value(y.value), sort_keys=True):
+                verdicts[key] = None
+            else:
+                show = lambda v: json.dumps(json_value(v.value), ensure_ascii=False)  # noqa: E731
+                verdicts[key] = (None, f"{show(x)} -> {show(y)}")
+        else:
+            comparable.append(key)
+    for batch in batches(va._opened, comparable):
+        xs, ys = read_arrays(va._opened, batch), read_arrays(vb._opened, batch)
+        for key in batch:
+            worst = _max_abs_diff(xs[key], ys[key])
+            if math.isnan(worst) or worst > atol:
+                text = "different keys" if la[key].prng_impl else f"max |a - b| = {_number(worst)}"
+                verdicts[key] = (worst, text)
+            else:
+                verdicts[key] = None
+        progress.update(sum(x.nbytes for x in xs.values()))
+    for key in la:  # report in graph order
+        if key in verdicts:
+            if verdicts[key] is None:
+                out.same.append(key)
+            else:
+                out.different.append((key, *verdicts[key]))
+    return out
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    a, b = _one_checkpoint(args.a), _one_checkpoint(args.b)
+    total = sum(v.nbytes for v in _open_view(a, args.patterns).leaves.values() if isinstance(v, ArrayLeaf))
+    with Progress(total, "diff") as progress:
+        result = diff(a, b, args.patterns, atol=args.atol, progress=progress)
+    if args.json:
+        _print_json(
+            {
+                "a": a,
+                "b": b,
+                "identical": result.identical,
+                "added": result.added,
+                "removed": result.removed,
+                "changed": [{"key": k, "a": x, "b": y} for k, x, y in result.changed],
+                "different": [{"key": k, "max_abs_diff": json_value(d), "detail": t} for k, d, t in result.different],
+                "same": result.same,
+            }
+        )
+    else:
+        rows = [("-", k, "") for k in result.removed] + [("+", k, "") for k in result.added]
+        rows += [("~", k, f"{x} -> {y}") for k, x, y in result.changed]
+        rows += [("!", k, text) for k, _, text in result.different]
+        if args.all:
+            rows += [("=", k, "") for k in result.same]
+        print(f"--- {a}\n+++ {b}")
+        width = min(64, max((len(k) for _, k, _ in rows), default=0))
+        for mark, key, text in rows:
+            print(f"{mark} {key:<{width}}  {text}".rstrip())
+        counts = [
+            f"{len(result.removed)} removed",
+            f"{len(result.added)} added",
+            f"{len(result.changed)} changed in shape, dtype or type",
+            f"{len(result.different)} with different values",
+            f"{len(result.same)} identical",
+        ]
+        print(", ".join(counts) + (f" (tolerance {args.atol:g})" if args.atol else ""))
+    return EXIT_OK if result.identical else EXIT_FAILURE
+
+
+# --- verify ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Verified:
+    path: str
+    values: int = 0
+    nbytes: int = 0
+    damaged: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # key ("" for the index), message
+
+
+def verify(path: str, progress: Progress | None = None) -> Verified:
+    """Read every value of the checkpoint at ``path``, checking every checksum; damage is collected, not raised.
+
+    The index's own checksum is checked when it is opened; packed leaves carry a CRC-32 each, and
+    every chunk of a large array a CRC-32C, which TensorStore checks as it reads.
+    """
+    result = Verified(path)
+    try:
+        opened = Opened(path)
+    except NotACheckpointError as e:
+        raise _not_a_checkpoint(path, e) from None
+    except UnsupportedVersionError:
+        raise  # not damage: a newer jaxckpt wrote it
+    except CheckpointFormatError as e:  # a damaged index: nothing in it can be trusted
+        result.damaged.append(("", str(e)))
+        return result
+    leaves = opened.index.leaves
+    result.values = len(leaves)
+    progress = progress or Progress(0, "", enabled=False)
+    arrays = [k for k, v in leaves.items() if isinstance(v, ArrayLeaf)]
+    for batch in batches(opened, arrays):
+        try:
+            read_arrays(opened, batch)
+        except CheckpointFormatError:
+            for key in batch:  # which of them are damaged
+                try:
+                    read_arrays(opened, [key])
+                except CheckpointFormatError as e:
+                    result.damaged.append((key, str(e)))
+        size = sum(leaves[k].nbytes for k in batch)
+        result.nbytes += size
+        progress.update(size)
+    return result
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    is_dir = is_manager_directory(args.path)
+    if is_dir:
+        infos = _manager._read_state(args.path) or []
+        paths = [c.path for c in infos]
+        if not paths:
+            _note(f"{args.path} is a manager's directory with no checkpoints; nothing to verify")
+    else:
+        paths = [args.path]
+    results = []
+    for path in paths:
+        total = sum(v.nbytes for v in _leaves_or_empty(path))
+        with Progress(total, f"verify {path}") as progress:
+            try:
+                results.append(verify(path, progress))
+            except JaxckptError as e:
+                if not is_dir:
+                    raise
+                # A listed checkpoint that is gone or unreadable: report it with the others.
+                results.append(Verified(path, damaged=[("", str(e))]))
+    if args.json:
+        _print_json(
+            [
+                {
+                    "path": r.path,
+                    "ok": not r.damaged,
+                    "values": r.values,
+                    "nbytes": r.nbytes,
+                    "damaged": [{"key": k, "error": m} for k, m in r.damaged],
+                }
+                for r in results
+            ]
+        )
+    else:
+        for r in results:
+            if not r.damaged:
+                print(f"OK       {r.path}: {r.values} values, {human_bytes(r.nbytes)} read, every checksum matches")
+                continue
+            print(f"DAMAGED  {r.path}:")
+            for key, message in r.damaged:
+                print(f"  {key or '(index)'}: {message}")
+    bad = [r for r in results if r.damaged]
+    if bad:
+        names = "; ".join(f"{r.path} ({', '.join(repr(k) if k else 'its index' for k, _ in r.damaged)})" for r in bad)
+        _error(f"damaged: {names}")
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _leaves_or_empty(path: str) -> list[ArrayLeaf]:
+    """The array leaves, for the progress bar's total; errors surface in :func:`verify` itself."""
+    try:
+        return [v for v in Opened(path).index.leaves.values() if isinstance(v, ArrayLeaf)]
+    except (JaxckptError, OSError):
+        return []
+
+
+# --- the parser --------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxckpt",
+        description="Look into, compare and verify jaxckpt checkpoints.",
+        epilog=(
+            "Exit status: 0 success; 1 failure (no checkpoint, damage, an unreadable file; for diff: the "
+            "checkpoints differ); 2 usage error (for diff: any error). PATH may be a manager's directory: "
+            "ls lists its checkpoints, show and diff use its latest one, verify checks them all."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    pattern_help = "only keys matching a pattern, and what is below them: '*' within one edge, '**' across edges"
+
+    ls = sub.add_parser("ls", help="list keys (or a manager's checkpoints)", description=_cmd_ls_doc)
+    ls.add_argument("path", metavar="PATH")
+    ls.add_argument("patterns", metavar="PATTERN", nargs="*", default=[], help=pattern_help)
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.add_argument("--flat", action="store_true", help="one value a line: key, type, shape or value, bytes")
+    ls.set_defaults(func=_cmd_ls, error_status=EXIT_FAILURE)
+
+    show = sub.add_parser("show", help="one value: dtype, shape, sharding, statistics, values")
+    show.add_argument("path", metavar="PATH")
+    show.add_argument("key", metavar="KEY")
+    show.add_argument(
+        "--values",
+        type=int,
+        default=10,
+        metavar="N",
+        help="how many first values to print (default 10; arrays of up to 100 values are printed whole)",
+    )
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.set_defaults(func=_cmd_show, error_status=EXIT_FAILURE)
+
+    d = sub.add_parser("diff", help="compare two checkpoints (exit 0 same, 1 different, 2 error)")
+    d.add_argument("a", metavar="A")
+    d.add_argument("b", metavar="B")
+    d.add_argument("patterns", metavar="PATTERN", nargs="*", default=[], help=pattern_help)
+    d.add_argument("--atol", type=float, default=0.0, help="values within this max abs difference count as equal")
+    d.add_argument("--all", action="store_true", help="list identical keys too")
+    d.add_argument("--json", action="store_true", help="print JSON")
+    d.set_defaults(func=_cmd_diff, error_status=EXIT_USAGE)
+
+    v = sub.add_parser("verify", help="read every byte and check every checksum")
+    v.add_argument("path", metavar="PATH")
+    v.add_argument("--json", action="store_true", help="print JSON")
+    v.set_defaults(func=_cmd_verify, error_status=EXIT_FAILURE)
+    return parser
+
+
+_cmd_ls_doc = (
+    "For a checkpoint: its keys as a tree, with dtype, shape (or value) and size. For a manager's "
+    "directory: its checkpoints, with step, time saved, size on disk and metrics."
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the console script passes it to sys.exit)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        return args.func(args)
+    except UsageError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except BrokenPipeError:  # `jaxckpt ls ... | head`: the reader left; nothing more to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that flushing stdout at exit fails no more
+        return EXIT_FAILURE
+    except (JaxckptError, OSError, NotImplementedError) as e:
+        # Wrong paths, damaged files, unsupported storage: the message says what and where.
+        _error(str(e))
+        return args.error_status
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -1,0 +1,516 @@
+"""Looking inside checkpoints without the model code: ``jaxckpt.inspect`` and ``jaxckpt ls``.
+
+:func:`inspect` reads only the index (or a manager's state file), never array data, so it is quick
+however large the checkpoint. What it returns prints as a tree in a terminal, and displays as a
+collapsible HTML tree in Jupyter and Colab::
+
+    jaxckpt.inspect("ckpts/ckpt-10")                         # one checkpoint: keys, dtypes, shapes, sizes
+    jaxckpt.inspect("ckpts")                                 # a manager's directory: its checkpoints
+    jaxckpt.inspect("ckpts/ckpt-10", "optimizer/**/mu/**")   # only the keys that match
+
+Patterns: ``*`` matches within one edge, ``**`` any number of edges (none included), ``?`` one
+character of an edge; a pattern selects the keys it matches and everything below them, so a plain
+key (``optimizer``) selects its subtree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxckpt import _manager, _storage
+from jaxckpt._format import INDEX_FILE, ArrayLeaf, Index, Leaf, ValueLeaf
+from jaxckpt._policies import CheckpointInfo
+from jaxckpt._progress import human_bytes
+from jaxckpt._restore import NO_TEMPLATE, Opened
+from jaxckpt._tree import CHECKPOINT, NodeInfo, build, edges_for, join
+
+PathLike = str | os.PathLike[str]
+
+# A node whose subtree holds at most this many values starts unfolded in the HTML view.
+_OPEN_LIMIT = 16
+# Python values longer than this are cut in the tree; `jaxckpt show` prints them whole.
+_VALUE_WIDTH = 40
+# The key column of the text tree never grows wider than this; longer names push their row right.
+_NAME_WIDTH = 64
+
+
+# --- patterns ----------------------------------------------------------------------------------
+
+
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    """``a/**/b`` -> a regex where ``**`` spans edges (none included) and ``*``, ``?`` stay in one."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")  # zero or more whole edges
+            i += 3
+        elif pattern.startswith("/**", i) and i + 3 == len(pattern):
+            out.append("(?:/.*)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out), re.DOTALL)
+
+
+def key_matcher(patterns: Iterable[str]) -> Callable[[str], bool] | None:
+    """A test of whether a key matches any of ``patterns`` (leading and trailing ``/`` ignored).
+
+    None when there are no patterns: everything matches.
+    """
+    regexes = [_pattern_regex(p.strip("/")) for p in patterns]
+    if not regexes:
+        return None
+    return lambda key: any(r.fullmatch(key) for r in regexes)
+
+
+# --- one checkpoint ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Tree:
+    """A node or leaf as displayed: chains of single-child nodes are merged into one row."""
+
+    key: str
+    label: str  # the edge(s) this row stands for
+    info: NodeInfo | None  # for nodes
+    leaf: Leaf | None  # for leaves
+    children: list[_Tree]
+    count: int  # values at or below
+    nbytes: int  # array bytes at or below
+
+
+def _leaf_nbytes(leaf: Leaf) -> int:
+    return leaf.nbytes if isinstance(leaf, ArrayLeaf) else 0
+
+
+def _build_tree(index: Index, match: Callable[[str], bool] | None) -> _Tree | None:
+    def walk(key: str, label: str, chosen: bool) -> _Tree | None:
+        chosen = chosen or match is None or match(key)
+        info = index.nodes.get(key)
+        if info is None:
+            leaf = index.leaves[key]
+            return _Tree(key, label, None, leaf, [], 1, _leaf_nbytes(leaf)) if chosen else None
+        kids = [walk(join(key, e), e, chosen) for e in edges_for(info.keys)]
+        kids = [k for k in kids if k is not None]
+        if not kids and not chosen:
+            return None
+        if key and len(kids) == 1 and kids[0].info is not None:  # "opt_state" + "0" -> "opt_state/0"
+            only = kids[0]
+            return dataclasses.replace(only, label=f"{label}/{only.label}")
+        return _Tree(key, label, info, None, kids, sum(k.count for k in kids), sum(k.nbytes for k in kids))
+
+    return walk("", "", False)
+
+
+def selected(key: str, match: Callable[[str], bool]) -> bool:
+    """A key is selected if it, one of its ancestors, or the root matches."""
+    parts = key.split("/") if key else []
+    return any(match("/".join(parts[:i])) for i in range(len(parts) + 1))
+
+
+def _printable(text: str) -> str:
+    """Control characters in a key would break the tree's lines; show them escaped."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
+def _short_value(leaf: ValueLeaf, width: int = _VALUE_WIDTH) -> str:
+    text = "None" if leaf.type == "none" else json.dumps(json_value(leaf.value), ensure_ascii=False)
+    text = _printable(text)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def leaf_type(leaf: Leaf) -> str:
+    """What a leaf is, in a word: its dtype, ``key<impl>`` for PRNG keys, or the Python type."""
+    if isinstance(leaf, ValueLeaf):
+        return leaf.type
+    if leaf.prng_impl:
+        return f"key<{leaf.prng_impl}>"
+    return leaf.dtype.name
+
+
+def leaf_shape(leaf: ArrayLeaf) -> tuple[int, ...]:
+    """The shape a user sees: for PRNG keys the key array's shape, without the key data's last axis."""
+    return leaf.shape[:-1] if leaf.prng_impl else leaf.shape
+
+
+def json_value(value: Any) -> Any:
+    """A Python value as strict JSON can hold it (non-finite floats as "nan", "inf", "-inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: json_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_value(v) for v in value]
+    return value
+
+
+def leaf_json(key: str, leaf: Leaf) -> dict[str, Any]:
+    """One value as ``jaxckpt ls --json`` lists it."""
+    if isinstance(leaf, ValueLeaf):
+        return {"key": key, "type": leaf.type, "value": json_value(leaf.value)}
+    out: dict[str, Any] = {
+        "key": key,
+        "type": "prng_key" if leaf.prng_impl else "array",
+        "dtype": leaf.dtype.name,
+        "shape": list(leaf_shape(leaf)),
+        "nbytes": leaf.nbytes,
+        "container": leaf.container,
+        "sharding": leaf.sharding,
+    }
+    if leaf.prng_impl:
+        out["impl"] = leaf.prng_impl
+    return out
+
+
+def _node_type(info: NodeInfo) -> str:
+    if info.kind == CHECKPOINT:
+        return "Checkpoint"
+    return info.cls.rsplit(".", 1)[-1]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+class CheckpointView:
+    """What one checkpoint holds, from its index alone: displayed as a tree of keys.
+
+    ``print(view)`` (or ``repr``) gives the same tree as ``jaxckpt ls``; in Jupyter and Colab the
+    view displays as collapsible HTML. ``view.keys()`` lists the selected keys, ``view[key]`` reads
+    one value (arrays as numpy), :meth:`to_json` is what ``jaxckpt ls --json`` prints, and
+    :meth:`abstract_tree` is the saved structure with ``jax.ShapeDtypeStruct`` leaves (to look at with
+    treescope, or to add shardings to and restore with as a template).
+    """
+
+    def __init__(self, path: PathLike, patterns: Sequence[str] = ()) -> None:
+        self.path = os.fspath(path)
+        self.patterns = tuple(patterns)
+        self._opened = Opened(path)
+        self.index: Index = self._opened.index
+        match = key_matcher(self.patterns)
+        self._tree = _build_tree(self.index, match)
+        self._keys = [k for k in self.index.keys_under("") if match is None or selected(k, match)]
+
+    def keys(self) -> list[str]:
+        """The keys of the selected values, in graph order."""
+        return list(self._keys)
+
+    @property
+    def leaves(self) -> dict[str, Leaf]:
+        """The index records of the selected values."""
+        return {k: self.index.leaves[k] for k in self._keys}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the selected arrays (as in memory, uncompressed)."""
+        return sum(_leaf_nbytes(leaf) for leaf in self.leaves.values())
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, key: str) -> Any:
+        """One value, read from the checkpoint: arrays as numpy, Python values as saved."""
+        self._opened.leaf(key)  # a clear MissingKeyError for a wrong key
+        return self._opened.load({key: NO_TEMPLATE})[key]
+
+    def filter(self, *patterns: str) -> CheckpointView:
+        """The same checkpoint, showing only the keys that match any of ``patterns``."""
+        return CheckpointView(self.path, patterns)
+
+    def abstract_tree(self) -> Any:
+        """The saved structure rebuilt without reading data: arrays as ``jax.ShapeDtypeStruct``."""
+        import jax
+
+        def abstract(leaf: Leaf) -> Any:
+            if isinstance(leaf, ValueLeaf):
+                return leaf.value
+            if leaf.prng_impl:
+                return jax.ShapeDtypeStruct(leaf_shape(leaf), jax.random.key(0, impl=leaf.prng_impl).dtype)
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+
+        return build(self.index.nodes, {k: abstract(v) for k, v in self.index.leaves.items()})
+
+    # --- display -------------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """``13 values: 9 arrays (188 B), 4 Python values`` (of the selection, when filtered)."""
+        leaves = self.leaves
+        arrays = sum(isinstance(v, ArrayLeaf) for v in leaves.values())
+        others = len(leaves) - arrays
+        text = f"{_plural(len(leaves), 'value')}: {_plural(arrays, 'array')} ({human_bytes(self.nbytes)})"
+        if others:
+            text += f", {_plural(others, 'Python value')}"
+        if self.patterns:
+            text += f" matching {' or '.join(map(repr, self.patterns))}, of {len(self.index.leaves)} in all"
+        return text
+
+    def _header(self) -> str:
+        writer = self.index.metadata.get("writer")
+        return f"{self.path}  (jaxckpt checkpoint{f', written by {writer}' if isinstance(writer, str) else ''})"
+
+    def _rows(self) -> list[tuple[str, str, str, str]]:
+        """(tree name, type, shape or value, size) for every displayed row."""
+        rows: list[tuple[str, str, str, str]] = []
+
+        def visit(t: _Tree, prefix: str, last: bool, top: bool) -> None:
+            branch = "" if top else ("└── " if last else "├── ")
+            name = prefix + branch + (_printable(t.label) if t.label or not top else "(root)")
+            if t.leaf is None:
+                if not top:
+                    rows.append((name, _node_type(t.info), _plural(t.count, "value"), human_bytes(t.nbytes)))
+            elif isinstance(t.leaf, ValueLeaf):
+                rows.append((name, leaf_type(t.leaf), _short_value(t.leaf), ""))
+            else:
+                rows.append((name, leaf_type(t.leaf), str(leaf_shape(t.leaf)), human_bytes(t.nbytes)))
+            inner = "" if top else prefix + ("    " if last else "│   ")
+            for i, child in enumerate(t.children):
+                visit(child, inner, i == len(t.children) - 1, False)
+
+        if self._tree is not None:
+            visit(self._tree, "", True, True)
+        return rows
+
+    def text(self, *, ascii: bool = False) -> str:
+        """The tree as ``jaxckpt ls`` prints it; ``ascii`` draws it with ``|--`` for narrow encodings."""
+        rows = self._rows()
+        lines = [self._header()]
+        if rows:
+            name_w = min(_NAME_WIDTH, max(len(r[0]) for r in rows))
+            type_w = max(len(r[1]) for r in rows)
+            shape_w = max(len(r[2]) for r in rows)
+            size_w = max(len(r[3]) for r in rows)
+            for name, kind, shape, size in rows:
+                line = f"{name:<{name_w}}  {kind:<{type_w}}  {shape:<{shape_w}}  {size:>{size_w}}"
+                lines.append(line.rstrip())
+        lines.append(self.summary())
+        text = "\n".join(lines)
+        if ascii:
+            text = text.replace("├── ", "|-- ").replace("└── ", "`-- ").replace("│   ", "|   ")
+        return text
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain-JSON description: what ``jaxckpt ls --json`` prints."""
+        leaves = self.leaves
+        return {
+            "kind": "checkpoint",
+            "path": self.path,
+            "metadata": json_value(self.index.metadata),
+            "patterns": list(self.patterns),
+            "values": len(leaves),
+            "arrays": sum(isinstance(v, ArrayLeaf) for v in leaves.values()),
+            "nbytes": self.nbytes,
+            "leaves": [leaf_json(k, v) for k, v in leaves.items()],
+        }
+
+    def _repr_html_(self) -> str:
+        total = len(self.index.leaves)
+
+        def leaf_html(t: _Tree) -> str:
+            leaf = t.leaf
+            if isinstance(leaf, ValueLeaf):
+                detail = f"{leaf_type(leaf)} = {_short_value(leaf, 80)}"
+            else:
+                detail = f"{leaf_type(leaf)} {leaf_shape(leaf)} · {human_bytes(t.nbytes)}"
+            title = f' title="sharding: {html.escape(leaf.sharding)}"' if getattr(leaf, "sharding", None) else ""
+            return (
+                f'<div class="jx-leaf"{title}><span class="jx-key">{html.escape(t.label)}</span> '
+                f'<span class="jx-dim">{html.escape(detail)}</span></div>'
+            )
+
+        def node_html(t: _Tree, depth: int) -> str:
+            if t.leaf is not None:
+                return leaf_html(t)
+            inner = "".join(node_html(c, depth + 1) for c in t.children)
+            if depth == 0:
+                return inner
+            is_open = t.count <= _OPEN_LIMIT or (depth == 1 and total <= 4 * _OPEN_LIMIT)
+            detail = f"{_node_type(t.info)} · {_plural(t.count, 'value')} · {human_bytes(t.nbytes)}"
+            return (
+                f"<details{' open' if is_open else ''}><summary><span class='jx-key'>{html.escape(t.label)}</span> "
+                f"<span class='jx-dim'>{html.escape(detail)}</span></summary>{inner}</details>"
+            )
+
+        body = node_html(self._tree, 0) if self._tree is not None else ""
+        return (
+            f"<div class='jx'>{_STYLE}<div class='jx-head'><b>{html.escape(self.path)}</b> "
+            f"<span class='jx-dim'>{html.escape(self.summary())}</span></div>{body}</div>"
+        )
+
+
+_STYLE = (
+    "<style>"
+    ".jx{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;line-height:1.5}"
+    ".jx details,.jx .jx-leaf{margin-left:1.2em}"
+    ".jx summary{cursor:pointer;margin-left:-1.2em}"
+    ".jx .jx-head{margin-bottom:.3em}"
+    ".jx .jx-key{font-weight:600}"
+    ".jx .jx-dim{opacity:.65}"
+    ".jx table{border-collapse:collapse}.jx td,.jx th{padding:0 .8em 0 0;text-align:left}"
+    "</style>"
+)
+
+
+# --- a manager's directory ---------------------------------------------------------------------
+
+
+def is_manager_directory(path: PathLike) -> bool:
+    """A folder with a manager's state file and no index of its own."""
+    local = _storage.local_path(path)
+    return (local / _manager.STATE_FILE).is_file() and not (local / INDEX_FILE).exists()
+
+
+def disk_bytes(path: PathLike) -> int | None:
+    """Bytes of every file under ``path`` (as ``du --apparent-size``), or None if it does not exist."""
+    local = _storage.local_path(path)
+    if not local.is_dir():
+        return None
+    total = 0
+    for folder, _, files in os.walk(local):
+        for name in files:
+            try:
+                total += (Path(folder) / name).stat().st_size
+            except OSError:  # removed while we looked (a manager's retention at work)
+                pass
+    return total
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _metrics_text(metrics: Any) -> str:
+    return " ".join(f"{k}={'nan' if v is None else f'{v:.6g}'}" for k, v in metrics.items())
+
+
+class ManagerView:
+    """The checkpoints a ``CheckpointManager`` keeps in ``directory``, as its state file lists them.
+
+    Prints as the table ``jaxckpt ls DIR`` shows (step, save time, size on disk, metrics); displays
+    as an HTML table in Jupyter. ``view.latest`` is a :class:`CheckpointView` of the latest one.
+    """
+
+    def __init__(self, directory: PathLike) -> None:
+        self.directory = os.fspath(directory)
+        self.checkpoints: list[CheckpointInfo] = _manager._read_state(self.directory) or []
+        self.disk_bytes: dict[str, int | None] = {c.path: disk_bytes(c.path) for c in self.checkpoints}
+
+    @property
+    def latest(self) -> CheckpointView | None:
+        return CheckpointView(self.checkpoints[-1].path) if self.checkpoints else None
+
+    def __len__(self) -> int:
+        return len(self.checkpoints)
+
+    def summary(self) -> str:
+        latest = os.path.basename(self.checkpoints[-1].path) if self.checkpoints else None
+        return f"{_plural(len(self.checkpoints), 'checkpoint')}" + (f", latest {latest}" if latest else "")
+
+    def _rows(self) -> list[tuple[str, str, str, str, str]]:
+        rows = []
+        for i, c in enumerate(self.checkpoints):
+            size = self.disk_bytes[c.path]
+            mark = "* " if i == len(self.checkpoints) - 1 else "  "
+            rows.append(
+                (
+                    mark + os.path.basename(c.path),
+                    str(c.step),
+                    _when(c.time),
+                    "missing" if size is None else human_bytes(size),
+                    _metrics_text(c.metrics),
+                )
+            )
+        return rows
+
+    def text(self) -> str:
+        lines = [f"{self.directory}  (CheckpointManager directory: {self.summary()})"]
+        rows = self._rows()
+        if rows:
+            head = ("  CHECKPOINT", "STEP", "SAVED", "SIZE", "METRICS")
+            widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+            for r in [head, *rows]:
+                line = f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}"
+                lines.append(line.rstrip())
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "manager",
+            "directory": self.directory,
+            "latest": self.checkpoints[-1].path if self.checkpoints else None,
+            "checkpoints": [
+                {
+                    "name": os.path.basename(c.path),
+                    "path": c.path,
+                    "step": c.step,
+                    "time": c.time,
+                    "metrics": dict(c.metrics),
+                    "disk_bytes": self.disk_bytes[c.path],
+                }
+                for c in self.checkpoints
+            ],
+        }
+
+    def _repr_html_(self) -> str:
+        cells = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(x.strip())}</td>" for x in row) + "</tr>" for row in self._rows()
+        )
+        head = "".join(f"<th>{h}</th>" for h in ("checkpoint", "step", "saved", "size", "metrics"))
+        latest = self.latest
+        tree = (
+            f"<details><summary>latest: {html.escape(latest.path)}</summary>{latest._repr_html_()}</details>"
+            if latest is not None
+            else ""
+        )
+        return (
+            f"<div class='jx'>{_STYLE}<div class='jx-head'><b>{html.escape(self.directory)}</b> "
+            f"<span class='jx-dim'>CheckpointManager directory: {html.escape(self.summary())}</span></div>"
+            f"<table><tr>{head}</tr>{cells}</table>{tree}</div>"
+        )
+
+
+def inspect(path: PathLike, *patterns: str) -> CheckpointView | ManagerView:
+    """What a checkpoint, or a manager's directory, holds; reads only the index or the state file.
+
+    In Jupyter and Colab the result displays as a collapsible HTML tree of keys with their dtypes,
+    shapes and sizes; ``print(...)`` gives the same tree as ``jaxckpt ls`` in a terminal. For a
+    directory that a :class:`~jaxckpt.CheckpointManager` keeps, it lists the checkpoints (step, save
+    time, size, metrics). ``patterns`` (``"optimizer/**/mu/**"``) keep only the keys that match::
+
+        view = jaxckpt.inspect("ckpts/ckpt-10")
+        view.keys()                     # ["step", "net/l1/bias", ...]
+        view["net/l1/bias"]             # the value, as numpy
+    """
+    if is_manager_directory(path):
+        if patterns:
+            raise ValueError(
+                f"{os.fspath(path)!r} is a manager's directory; patterns select keys of one checkpoint. "
+                f"Pass one of its checkpoints, e.g. {_manager.latest_checkpoint(path)!r}."
+            )
+        return ManagerView(path)
+    return CheckpointView(path, patterns)
