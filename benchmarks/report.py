@@ -1,0 +1,188 @@
+"""Render a results JSON (written by run.py) as markdown.
+
+python benchmarks/report.py benchmarks/results-<machine>.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Any
+
+GIB = 1 << 30
+WORKLOAD_TEXT = {
+    "large": "16 float32 arrays (64 MiB each; 2 MiB with --quick), one device",
+    "many": "small float32 leaves in transformer-like blocks of 10 (widths 32..72), one device",
+    "sharded": "8 float32 arrays on 8 host devices, saved from a (4,2) mesh with 8 mixed PartitionSpecs, restored onto (2,4)",
+    "train_state": "Flax linen decoder + optax adamw state + step (51.1M params; 0.66M with --quick), one device",
+}
+
+# (label, op, metric, floor (op, metric) it is compared with, Orbax (op, metric) it is compared with)
+ROWS: list[tuple[str, str, str, tuple[str, str] | None, tuple[str, str] | None]] = [
+    ("floor: write to page cache (`tofile`)", "floor_write", "seconds", None, None),
+    ("floor: durable write (`tofile` + fsync)", "floor_write_fsync", "seconds", None, None),
+    ("floor: read, page cache hot (`fromfile`)", "floor_read", "seconds", None, None),
+    ("floor: memory copy (`np.copy`)", "floor_copy", "seconds", None, None),
+    ("**jaxckpt save**", "jaxckpt_save", "seconds", ("floor_write_fsync", "seconds"), ("orbax_save", "seconds")),
+    ("Orbax save", "orbax_save", "seconds", ("floor_write_fsync", "seconds"), None),
+    (
+        "**jaxckpt restore**",
+        "jaxckpt_restore",
+        "seconds",
+        ("floor_read", "seconds"),
+        ("orbax_restore", "seconds"),
+    ),
+    ("Orbax restore", "orbax_restore", "seconds", ("floor_read", "seconds"), None),
+    (
+        "**jaxckpt async save: blocks for**",
+        "jaxckpt_async_save",
+        "blocking",
+        ("floor_copy", "seconds"),
+        ("orbax_async_save", "blocking"),
+    ),
+    (
+        "**jaxckpt async save: total**",
+        "jaxckpt_async_save",
+        "seconds",
+        ("floor_write_fsync", "seconds"),
+        ("orbax_async_save", "seconds"),
+    ),
+    ("Orbax async save: blocks for", "orbax_async_save", "blocking", ("floor_copy", "seconds"), None),
+    ("Orbax async save: total", "orbax_async_save", "seconds", ("floor_write_fsync", "seconds"), None),
+]
+
+
+def _ok(runs: list[dict[str, Any]], metric: str) -> list[float]:
+    return [r[metric] for r in runs if r.get("status") == "ok" and metric in r]
+
+
+def median_of(results: dict[str, Any], workload: str, op: str, metric: str) -> float | None:
+    values = _ok(results["runs"].get(workload, {}).get(op, []), metric)
+    return statistics.median(values) if values else None
+
+
+def _status(runs: list[dict[str, Any]]) -> str:
+    if not runs:
+        return "not run"
+    if any(r.get("status") == "n/a" for r in runs):
+        return "n/a"
+    return "error"
+
+
+def _s(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b <= 0:
+        return ""
+    return f"{a / b:.2f}x"
+
+
+def workload_table(results: dict[str, Any], workload: str) -> str:
+    info = results["workloads"][workload]
+    size = info["nbytes"]
+    runs = results["runs"].get(workload, {})
+    lines = [
+        f"### `{workload}`: {info['leaves']:,} leaves, {size / GIB:.3f} GiB ({size:,} bytes)",
+        "",
+        WORKLOAD_TEXT.get(workload, ""),
+        "",
+        "| operation | median s | min - max s | GB/s | x floor | x Orbax | peak RSS / size | +RSS / size | CPU s | files | disk / size |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, op, metric, floor, orbax in ROWS:
+        op_runs = runs.get(op, [])
+        values = _ok(op_runs, metric)
+        if not values:
+            lines.append(f"| {label} | {_status(op_runs)} | | | | | | | | | |")
+            continue
+        ok = [r for r in op_runs if r.get("status") == "ok"]
+        med = statistics.median(values)
+        floor_med = median_of(results, workload, *floor) if floor else None
+        orbax_med = median_of(results, workload, *orbax) if orbax else None
+        peak = statistics.median(r["rss_peak"] / size for r in ok)
+        extra = statistics.median((r["rss_peak"] - r["rss_start"]) / size for r in ok)
+        cpu = statistics.median(r["cpu_seconds"] for r in ok)
+        files = sorted({r["files"] for r in ok if "files" in r})
+        disk = [r["disk_bytes"] / size for r in ok if "disk_bytes" in r]
+        lines.append(
+            f"| {label} | {_s(med)} | {_s(min(values))} - {_s(max(values))} | {size / 1e9 / med:.2f} "
+            f"| {_ratio(med, floor_med)} | {_ratio(med, orbax_med)} | {peak:.2f} | {extra:.2f} | {cpu:.2f} "
+            f"| {'-'.join(map(str, files)) if files else ''} | {f'{statistics.median(disk):.3f}' if disk else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def summary_table(results: dict[str, Any]) -> str:
+    def cell(workload: str, op: str, metric: str = "seconds") -> str:
+        m = median_of(results, workload, op, metric)
+        if m is None:
+            return _status(results["runs"].get(workload, {}).get(op, []))
+        return _s(m)
+
+    lines = [
+        "| workload | size | jaxckpt save | Orbax save | durable write floor | jaxckpt restore | Orbax restore "
+        "| read floor | jaxckpt async blocks / total | Orbax async blocks / total |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for w, info in results["workloads"].items():
+        lines.append(
+            f"| `{w}` | {info['nbytes'] / 1e6:,.0f} MB | {cell(w, 'jaxckpt_save')} | {cell(w, 'orbax_save')} "
+            f"| {cell(w, 'floor_write_fsync')} | {cell(w, 'jaxckpt_restore')} | {cell(w, 'orbax_restore')} "
+            f"| {cell(w, 'floor_read')} | {cell(w, 'jaxckpt_async_save', 'blocking')} / {cell(w, 'jaxckpt_async_save')} "
+            f"| {cell(w, 'orbax_async_save', 'blocking')} / {cell(w, 'orbax_async_save')} |"
+        )
+    return "\n".join(lines)
+
+
+def render(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    v = results["versions"]
+    parts = [f"# jaxckpt benchmarks: {results['machine_name']}", ""]
+    if results.get("note"):
+        parts += [f"**{results['note']}**", ""]
+    parts += [
+        f"- Run: {results['started']} to {results['finished']}, git {results['git']}, "
+        f"{results['reps']} repetition(s){' (quick sizes)' if results['quick'] else ''}; "
+        f"load average before {m['loadavg_before']}, after {m['loadavg_after']}.",
+        f"- Command: `{results['command']}`; jaxckpt measured: {results.get('jaxckpt_source', '?')}.",
+        f"- Machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']:.1f} GiB memory, kernel {m['kernel']}, "
+        f"disk {m['disk']}.",
+        "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".",
+        "",
+        "## Summary (median seconds)",
+        "",
+        summary_table(results),
+        "",
+        "## Per workload",
+        "",
+        "Each figure is the median over the repetitions, each repetition a fresh subprocess with memory "
+        "pre-touched (3x the size + 512 MiB) and the page cache as the previous operation left it (hot). "
+        "**x floor**: time / floor time (save and async total against the durable write, restore against "
+        "the read, async blocking against `np.copy`; 1.00x is the floor). **x Orbax**: jaxckpt time / "
+        "Orbax time (below 1 is faster). **peak RSS / size**: VmHWM during the operation (reset by "
+        "`clear_refs` just before it) / checkpoint size; **+RSS / size**: the same less the RSS at the start "
+        "(for a save the tree is already resident; for a restore nothing is). **CPU s**: user + system CPU "
+        "of the process (all threads) during the operation. **files** and **disk / size**: files in the "
+        "checkpoint and their bytes / logical size.",
+        "",
+    ]
+    for w in results["workloads"]:
+        parts += [workload_table(results, w), ""]
+    errors = [
+        f"- `{w}` `{op}`: {r.get('error', '').strip().splitlines()[-1] if r.get('error') else '?'}"
+        for w, ops in results["runs"].items()
+        for op, runs in ops.items()
+        for r in runs
+        if r.get("status") == "error"
+    ]
+    if errors:
+        parts += ["## Errors", "", *sorted(set(errors)), ""]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(render(json.load(f)))
