@@ -56,8 +56,15 @@ def _expected(template: Any) -> str:
     if is_state_object(template):
         return f"an object state (for {type(template).__name__}.set_state)"
     if jax.dtypes.issubdtype(template.dtype, jax.dtypes.prng_key):
-        return f"a PRNG key array ({jax.random.key_impl(template)}) of shape {tuple(template.shape)}"
+        return f"a PRNG key array ({_key_impl(template)}) of shape {tuple(template.shape)}"
     return f"a {np.dtype(template.dtype).name} array of shape {tuple(template.shape)}"
+
+
+def _key_impl(template: Any) -> str:
+    """The PRNG implementation of a key array or of a key-typed ShapeDtypeStruct."""
+    if isinstance(template, jax.Array):
+        return str(jax.random.key_impl(template))
+    return template.dtype._impl.name  # a ShapeDtypeStruct has only the key dtype to ask
 
 
 def _mismatch(key: str, leaf: Leaf, template: Any, detail: str = "") -> MismatchError:
@@ -105,7 +112,7 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
     if is_key != bool(leaf.prng_impl):
         raise _mismatch(key, leaf, template)
     if is_key:
-        impl = str(jax.random.key_impl(template))
+        impl = _key_impl(template)
         if impl != leaf.prng_impl or tuple(template.shape) != leaf.shape[:-1]:
             raise _mismatch(key, leaf, template)
         return

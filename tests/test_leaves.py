@@ -93,6 +93,18 @@ def test_typed_prng_keys_restore_as_typed_keys(tmp_path, layout):
     assert dict(jaxckpt.list_variables(path))["ks"] == (4,)
 
 
+def test_abstract_prng_key_templates(tmp_path):
+    keys = {"k": jax.random.key(1), "rbg": jax.random.split(jax.random.key(2, impl="rbg"), 3)}
+    path = jaxckpt.save(tmp_path / "c", keys)
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in keys.items()}
+    restored = jaxckpt.restore(path, like=like)
+    for k in keys:
+        assert _same_bits(jax.random.key_data(restored[k]), jax.random.key_data(keys[k]))
+    wrong = {**like, "k": jax.ShapeDtypeStruct((), jax.random.key(0, impl="rbg").dtype)}
+    with pytest.raises(jaxckpt.MismatchError, match=r"'k'.*threefry2x32.*expects a PRNG key array \(rbg\)"):
+        jaxckpt.restore(path, like=wrong)
+
+
 def test_shape_dtype_struct_template_becomes_a_concrete_array(tmp_path):
     tree = {"w": jnp.arange(12.0).reshape(3, 4)}
     path = jaxckpt.save(tmp_path / "c", tree)
