@@ -12,7 +12,6 @@ The only module that imports tensorstore. A checkpoint's arrays live in one OCDB
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -46,17 +45,49 @@ def stored_dtype(dtype: np.dtype) -> str:
     return dtype.name if dtype.name in _NATIVE else f"uint{8 * dtype.itemsize}"
 
 
+_CONTEXT: ts.Context | None = None
+
+
 def _context() -> ts.Context:
-    # No cache: every byte is read once, and a cache would only hold a second copy in memory.
-    return ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    """One context for the process: a ``memory://`` store lives in its context, and no cache, since
+    every byte is read once and a cache would only hold a second copy in memory."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    return _CONTEXT
 
 
-def _kvstore(directory: str) -> dict[str, Any]:
-    return {"driver": "ocdbt", "base": {"driver": "file", "path": os.fspath(directory) + "/"}}
+def _spec(base: dict[str, Any], path: str) -> dict[str, Any]:
+    """The zarr3 array at ``path`` in the OCDBT database whose files live at kvstore ``base``."""
+    return {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": base, "path": path + "/"}}
 
 
-def _spec(directory: str, path: str) -> dict[str, Any]:
-    return {"driver": "zarr3", "kvstore": {**_kvstore(directory), "path": path + "/"}}
+# --- plain key-value access, for index and state files in object stores ------------------------
+
+
+def _kv(base: dict[str, Any]) -> ts.KvStore:
+    return ts.KvStore.open(base, context=_context()).result()
+
+
+def kv_read(base: dict[str, Any], key: str) -> bytes | None:
+    """The value at ``key`` under kvstore ``base``, or None if there is none."""
+    result = _kv(base).read(key).result()
+    return bytes(result.value) if result.state == "value" else None
+
+
+def kv_write(base: dict[str, Any], key: str, value: bytes) -> None:
+    """Write one value (one object: replaced whole or not at all)."""
+    _kv(base).write(key, value).result()
+
+
+def kv_keys(base: dict[str, Any]) -> list[str]:
+    """Every key under kvstore ``base``."""
+    return [k.decode("utf-8", "replace") for k in _kv(base).list().result()]
+
+
+def kv_delete_all(base: dict[str, Any]) -> None:
+    """Delete every key under kvstore ``base``."""
+    _kv(base).delete_range(ts.KvStore.KeyRange()).result()
 
 
 def _metadata(shape: Sequence[int], dtype: str, chunks: Sequence[int], checksum: bool) -> dict[str, Any]:
@@ -81,7 +112,7 @@ def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> li
 
 
 class Writer:
-    """Writes the arrays and packs of one checkpoint into ``directory``.
+    """Writes the arrays and packs of one checkpoint into the OCDBT database at kvstore ``base``.
 
     ``add_*`` only records what to write; :meth:`flush` opens every recorded array at once and
     writes them all, so per-array costs overlap instead of adding up. TensorStore reads the given
@@ -92,8 +123,8 @@ class Writer:
     index, and a transaction would hold every byte in memory until its commit.
     """
 
-    def __init__(self, directory: str) -> None:
-        self._directory = directory
+    def __init__(self, base: dict[str, Any]) -> None:
+        self._base = base
         self._context = _context()
         self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]]]] = []
 
@@ -122,7 +153,7 @@ class Writer:
         """Create and write everything recorded so far, durably; then forget it."""
         planned, self._planned = self._planned, []
         opens = [
-            ts.open({**_spec(self._directory, path), "metadata": metadata}, create=True, context=self._context)
+            ts.open({**_spec(self._base, path), "metadata": metadata}, create=True, context=self._context)
             for path, metadata, _ in planned
         ]
         writes = []
@@ -145,16 +176,14 @@ def _corrupted(key: str, path: str, error: Exception) -> CheckpointCorruptedErro
 class Reader:
     """Reads arrays and pack spans of one checkpoint's data store, many at a time."""
 
-    def __init__(self, directory: str) -> None:
-        self._directory = directory
+    def __init__(self, base: dict[str, Any]) -> None:
+        self._base = base
         self._context = _context()
 
     def open_arrays(self, requests: Iterable[tuple[str, str, str, Sequence[int]]]) -> dict[str, ts.TensorStore]:
         """Opens each (key, path, stored dtype, shape), checking its metadata against the index."""
         requests = list(requests)
-        futures = [
-            ts.open(_spec(self._directory, path), open=True, context=self._context) for _, path, _, _ in requests
-        ]
+        futures = [ts.open(_spec(self._base, path), open=True, context=self._context) for _, path, _, _ in requests]
         stores = {}
         for (key, path, dtype, shape), future in zip(requests, futures):
             try:
@@ -178,7 +207,7 @@ class Reader:
     def read_pack_spans(self, path: str, nbytes: int, spans: Sequence[tuple[int, int]]) -> list[Any]:
         """Starts reading byte spans (start, stop) of the pack at ``path``."""
         try:
-            store = ts.open(_spec(self._directory, path), open=True, context=self._context).result()
+            store = ts.open(_spec(self._base, path), open=True, context=self._context).result()
         except Exception as e:
             raise _corrupted("", path, e) from e
         if list(store.shape) != [nbytes] or store.dtype.name != "uint8":

@@ -29,14 +29,13 @@ import os
 import sys
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from jaxckpt import _manager, _storage
 from jaxckpt._errors import CheckpointFormatError, JaxckptError, NotACheckpointError, UnsupportedVersionError
-from jaxckpt._format import INDEX_FILE, ArrayLeaf, InPack, Leaf, ValueLeaf
+from jaxckpt._format import ArrayLeaf, InPack, Leaf, ValueLeaf
 from jaxckpt._inspect import (
     CheckpointView,
     ManagerView,
@@ -222,9 +221,9 @@ def _tree_ascii() -> bool:
 
 def _not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointError:
     """The error, with the checkpoints the folder holds, if any: the usual slip is one level too high."""
-    local = _storage.local_path(path)
+    folder = _storage.location(path)
     try:
-        found = sorted(e.name for e in os.scandir(local) if e.is_dir() and (Path(e.path) / INDEX_FILE).is_file())
+        found = [name for name in _storage.children(folder) if _storage.is_checkpoint(folder / name)]
     except OSError:
         found = []
     if not found:

@@ -23,11 +23,10 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from jaxckpt import _manager, _storage
-from jaxckpt._format import INDEX_FILE, ArrayLeaf, Index, Leaf, ValueLeaf
+from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._progress import human_bytes
 from jaxckpt._restore import NO_TEMPLATE, Opened
@@ -378,23 +377,13 @@ _STYLE = (
 
 def is_manager_directory(path: PathLike) -> bool:
     """A folder with a manager's state file and no index of its own."""
-    local = _storage.local_path(path)
-    return (local / _manager.STATE_FILE).is_file() and not (local / INDEX_FILE).exists()
+    folder = _storage.location(path)
+    return _storage.read_file(folder, _manager.STATE_FILE) is not None and not _storage.is_checkpoint(folder)
 
 
 def disk_bytes(path: PathLike) -> int | None:
-    """Bytes of every file under ``path`` (as ``du --apparent-size``), or None if it does not exist."""
-    local = _storage.local_path(path)
-    if not local.is_dir():
-        return None
-    total = 0
-    for folder, _, files in os.walk(local):
-        for name in files:
-            try:
-                total += (Path(folder) / name).stat().st_size
-            except OSError:  # removed while we looked (a manager's retention at work)
-                pass
-    return total
+    """Bytes of every file under ``path`` (as ``du --apparent-size``); None if unknown (object stores)."""
+    return _storage.total_bytes(_storage.location(path))
 
 
 def _when(t: float) -> str:

@@ -66,7 +66,6 @@ STATE_FILE = "checkpoint"
 STATE_FORMAT = "jaxckpt-manager-state"
 STATE_VERSION = 1
 LOCK_FILE = "checkpoint.lock"
-_STATE_TMP = f".{STATE_FILE}.tmp-"
 _PREFIX = re.compile(r"[^/\\\x00]+")  # one path component: a listed prefix can never point elsewhere
 
 
@@ -104,11 +103,13 @@ def _parse_entry(raw: Any, where: Path, directory: str) -> CheckpointInfo:
 
 def _read_state(directory: str) -> list[CheckpointInfo] | None:
     """The checkpoints the state file in ``directory`` lists, oldest first; None if it has none."""
-    where = _storage.local_path(directory) / STATE_FILE
+    folder = _storage.location(directory)
+    where = folder / STATE_FILE
     try:
-        text = where.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        return None
+        data = _storage.read_file(folder, STATE_FILE)
+        if data is None:
+            return None
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise _bad_state(where, f"it cannot be read as UTF-8 text ({e})") from e
     try:
@@ -139,7 +140,7 @@ def _read_state(directory: str) -> list[CheckpointInfo] | None:
     return infos
 
 
-def _write_state(directory: Path, infos: Sequence[CheckpointInfo]) -> None:
+def _write_state(directory: _storage.Location, infos: Sequence[CheckpointInfo]) -> None:
     """Replace the state file atomically: a crash leaves the old one or the new one, never a mix."""
     names = [os.path.basename(c.path) for c in infos]
     rows = [{"prefix": n, "step": c.step, "time": c.time, "metrics": dict(c.metrics)} for n, c in zip(names, infos)]
@@ -147,14 +148,7 @@ def _write_state(directory: Path, infos: Sequence[CheckpointInfo]) -> None:
     body = ",\n".join(f"    {json.dumps(r, allow_nan=False)}" for r in rows)
     head = {"format": STATE_FORMAT, "version": STATE_VERSION, "latest": names[-1] if names else None}
     text = json.dumps(head, indent=2)[:-2] + ',\n  "checkpoints": [' + (f"\n{body}\n  ]" if rows else "]") + "\n}\n"
-    tmp = directory / f"{_STATE_TMP}{uuid.uuid4().hex[:12]}"
-    try:
-        _storage.write_durable(tmp, text.encode("utf-8"))
-        os.replace(tmp, directory / STATE_FILE)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _storage.fsync_dir(directory)  # the rename itself must survive a power cut
+    _storage.write_file_atomic(directory, STATE_FILE, text.encode("utf-8"))
 
 
 def latest_checkpoint(directory: PathLike) -> str | None:
@@ -266,8 +260,11 @@ def _release_lock(path: str, token: str) -> None:
 # --- the manager -------------------------------------------------------------------------------
 
 
-def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path)
+def _remove_tree(path: _storage.Location) -> None:
+    if path.local is not None:
+        shutil.rmtree(path.local)  # raises, unlike the best-effort clean-ups: a failure is reported
+    else:
+        _storage.delete_tree(path)
 
 
 def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
@@ -358,13 +355,16 @@ class CheckpointManager:
         self._clock = clock
         self._async = async_save
         self._background = Background("CheckpointManager")
-        self._path = _storage.local_path(directory)
-        self._path.mkdir(parents=True, exist_ok=True)
+        self._path = _storage.location(directory)
+        if self._path.local is not None:
+            self._path.local.mkdir(parents=True, exist_ok=True)
         # In a multi-process run, only the primary owns the directory: it holds the lock, writes the
         # state file and deletes; the others keep the same list of checkpoints in memory.
         self._primary = _multihost.is_primary()
-        if self._primary:
-            lock = self._path / LOCK_FILE
+        # Object stores have no atomic create-if-absent that every S3-compatible store honours, so the
+        # lock guards local directories only (see the README).
+        if self._primary and self._path.local is not None:
+            lock = self._path.local / LOCK_FILE
             self._release = weakref.finalize(self, _release_lock, str(lock), _acquire_lock(lock))
         else:
             self._release = weakref.finalize(self, lambda: None)
@@ -385,7 +385,7 @@ class CheckpointManager:
 
     def _adopt_empty_directory(self) -> None:
         """Record an empty state file, so that a crash during the first save leaves clear garbage."""
-        found = sorted(e.name for e in os.scandir(self._path) if e.is_dir() and self._numbered.fullmatch(e.name))
+        found = [name for name in _storage.children(self._path) if self._numbered.fullmatch(name)]
         if found:
             # Checkpoints saved without a manager (Checkpoint.save names them the same way). A manager
             # deletes unlisted checkpoints, so it must not adopt a directory that holds some.
@@ -401,14 +401,11 @@ class CheckpointManager:
         listed = {os.path.basename(c.path) for c in self._infos}
         marks = f"{re.escape(_storage.PARTIAL_MARK)}|{re.escape(_storage.REPLACED_MARK)}"  # see _storage.staging_folder and publish
         staging = re.compile(rf"\.{re.escape(self._name)}-[0-9]+({marks}).*")
-        for entry in os.scandir(self._path):
-            name = entry.name
-            if name.startswith(_STATE_TMP):
-                Path(entry.path).unlink(missing_ok=True)
-            elif entry.is_dir(follow_symlinks=False) and (
-                staging.fullmatch(name) or (self._numbered.fullmatch(name) and name not in listed)
-            ):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        for name in _storage.children(self._path):
+            if _storage.is_temp_file(name) and self._path.local is not None:
+                (self._path.local / name).unlink(missing_ok=True)
+            elif staging.fullmatch(name) or (self._numbered.fullmatch(name) and name not in listed):
+                _storage.delete_tree(self._path / name)
 
     # --- properties --------------------------------------------------------------------------------
 
@@ -514,18 +511,20 @@ class CheckpointManager:
         # garbage that the next manager removes.
         candidates = [*self._infos, info]
         kept = self._retain(candidates)
-        if not self._primary:
-            self._infos = kept
-            return
-        _write_state(self._path, kept)
+        if self._primary:
+            _write_state(self._path, kept)
         self._infos = kept
-        kept_paths = {c.path for c in kept}
-        for c in candidates:
-            if c.path not in kept_paths:
-                try:
-                    _remove_tree(_storage.local_path(c.path))
-                except OSError as e:  # not listed any more, so the next manager removes it
-                    warnings.warn(f"Could not delete the old checkpoint {c.path!r}: {e}", stacklevel=2)
+        if self._primary:
+            kept_paths = {c.path for c in kept}
+            for c in candidates:
+                if c.path not in kept_paths:
+                    try:
+                        _remove_tree(self._path / os.path.basename(c.path))
+                    except OSError as e:  # not listed any more, so the next manager removes it
+                        warnings.warn(f"Could not delete the old checkpoint {c.path!r}: {e}", stacklevel=2)
+        # No process is done with a save before the state file lists it: a process that reads the
+        # state file next (latest_checkpoint) must not find the previous one, perhaps being deleted.
+        _multihost.barrier(f"{prepared.token}/recorded")
 
     def wait_until_finished(self) -> None:
         """Block until the background save is done and recorded; raise its error if it failed."""

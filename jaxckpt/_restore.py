@@ -165,9 +165,10 @@ class Opened:
     """One checkpoint opened for reading: its index, and batched reads of its values."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = _storage.local_path(path)
-        where = repr(str(self.path / INDEX_FILE))
-        self.index: Index = decode_index(_storage.read_index_bytes(self.path), where)
+        self.location = _storage.location(path)
+        self.path = self.location.local or self.location.text  # how messages name it
+        where = repr(str(self.location / INDEX_FILE))
+        self.index: Index = decode_index(_storage.read_index_bytes(self.location), where)
         self._readers: dict[str, _arrayio.Reader] = {}
 
     def leaf(self, key: str) -> Leaf:
@@ -220,7 +221,7 @@ class Opened:
 
     def _reader_of(self, store: str) -> _arrayio.Reader:
         if store not in self._readers:
-            self._readers[store] = _arrayio.Reader(str(self.path / store))
+            self._readers[store] = _arrayio.Reader((self.location / store).spec())
         return self._readers[store]
 
     def _read_arrays(self, wanted: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import zlib
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -15,7 +14,6 @@ import numpy as np
 from jaxckpt import _arrayio, _multihost, _storage
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
-    INDEX_FILE,
     JAX,
     NUMPY,
     NUMPY_SCALAR,
@@ -187,8 +185,8 @@ class Prepared:
     """A save whose snapshot is taken: what remains can run in the background (:func:`finish`)."""
 
     path: str
-    dest: Path
-    staging: Path
+    dest: _storage.Location
+    staging: _storage.Location
     token: str
     overwrite: bool
     index: Index
@@ -203,17 +201,19 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False)
     the snapshot's copies outgrow the host memory budget, what is recorded so far is written out
     first, so a state larger than the budget costs a longer call, not more memory.
     """
-    dest = _storage.local_path(path)
+    dest = _storage.location(path)
     _storage.check_writable(dest, overwrite)
     flat = flatten(root)
     for x in flat.leaves.values():  # start every device-to-host copy before waiting for any
         if isinstance(x, jax.Array) and not _on_cpu(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x.copy_to_host_async()
     me = _multihost.process_index()
+    if me == 0:
+        _storage.clear_for_save(dest)  # object stores: before the token lets the others write
     token = _multihost.shared_token()
     staging = _storage.staging_folder(dest, token)
     try:
-        writer = _arrayio.Writer(str(staging / data_store(me)))
+        writer = _arrayio.Writer((staging / data_store(me)).spec())
         packer = _Packer()
         leaves: dict[str, Leaf] = {}
         budget, held, arrays = host_memory_budget(), 0, 0
@@ -235,7 +235,9 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False)
                 by_process.setdefault(_process_of(device), []).append(region)
             # Every process takes the same decisions here, so array numbers agree across processes.
             if record.nbytes <= _arrayio.PACK_LEAF_LIMIT and set(by_process) == {0}:
-                at: InArray | InPack = packer.add(np.asarray(data)) if me == 0 else InPack(0, 0, 0, 0)
+                # A jax.Array's host view is immutable; a numpy array is copied, as in _snapshot.
+                small = np.asarray(data) if isinstance(data, jax.Array) else np.array(data, copy=True)
+                at: InArray | InPack = packer.add(small) if me == 0 else InPack(0, 0, 0, 0)
             else:
                 regions = None
                 if set(by_process) != {0}:
@@ -254,7 +256,8 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False)
         packs = [Pack(f"p/{i}", size) for i, size in enumerate(packer.sizes)]
         index = Index(flat.nodes, leaves, packs, {"writer": f"jaxckpt {__version__}"})
     except BaseException:
-        _storage.discard(staging)
+        if me == 0:  # the others may be writing into it; a manager removes what is left
+            _storage.discard(staging)
         raise
     return Prepared(os.fspath(path), dest, staging, token, overwrite, index, writer, packer)
 
@@ -268,8 +271,7 @@ def finish(p: Prepared) -> str:
         p.writer.flush()
         _multihost.barrier(f"{p.token}/written")  # every process's bytes are durable
         if primary:
-            _storage.write_durable(p.staging / INDEX_FILE, encode_index(p.index))
-            _storage.publish(p.staging, p.dest, p.overwrite)
+            _storage.publish(p.staging, p.dest, encode_index(p.index), p.overwrite)
         _multihost.barrier(f"{p.token}/published")
     except BaseException:
         if primary:  # the others may still be writing into it; a manager removes what is left
