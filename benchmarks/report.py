@@ -1,11 +1,15 @@
 """Render a results JSON (written by run.py) as markdown.
 
-python benchmarks/report.py benchmarks/results-<machine>.json
+python benchmarks/report.py benchmarks/results-<machine>.json [--write]
+
+With --write, also rewrite the .md beside the JSON (and, for results in benchmarks/, the table in
+benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from typing import Any
@@ -77,7 +81,12 @@ def _s(x: float) -> str:
 def _ratio(a: float | None, b: float | None) -> str:
     if a is None or b is None or b <= 0:
         return ""
-    return f"{a / b:.2f}x"
+    r = a / b
+    return f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x"
+
+
+def _range(values: list[int]) -> str:
+    return "" if not values else str(min(values)) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
 
 def workload_table(results: dict[str, Any], workload: str) -> str:
@@ -105,12 +114,13 @@ def workload_table(results: dict[str, Any], workload: str) -> str:
         peak = statistics.median(r["rss_peak"] / size for r in ok)
         extra = statistics.median((r["rss_peak"] - r["rss_start"]) / size for r in ok)
         cpu = statistics.median(r["cpu_seconds"] for r in ok)
-        files = sorted({r["files"] for r in ok if "files" in r})
+        files = [r["files"] for r in ok if "files" in r]
         disk = [r["disk_bytes"] / size for r in ok if "disk_bytes" in r]
         lines.append(
-            f"| {label} | {_s(med)} | {_s(min(values))} - {_s(max(values))} | {size / 1e9 / med:.2f} "
+            f"| {label} | {_s(med)} | {_s(min(values))} - {_s(max(values))} "
+            f"| {'' if metric == 'blocking' else f'{size / 1e9 / med:.2f}'} "
             f"| {_ratio(med, floor_med)} | {_ratio(med, orbax_med)} | {peak:.2f} | {extra:.2f} | {cpu:.2f} "
-            f"| {'-'.join(map(str, files)) if files else ''} | {f'{statistics.median(disk):.3f}' if disk else ''} |"
+            f"| {_range(files)} | {f'{statistics.median(disk):.3f}' if disk else ''} |"
         )
     return "\n".join(lines)
 
@@ -146,7 +156,7 @@ def render(results: dict[str, Any]) -> str:
     parts += [
         f"- Run: {results['started']} to {results['finished']}, git {results['git']}, "
         f"{results['reps']} repetition(s){' (quick sizes)' if results['quick'] else ''}; "
-        f"load average before {m['loadavg_before']}, after {m['loadavg_after']}.",
+        f"load average (1, 5, 15 min) before {' '.join(m['loadavg_before'])}, after {' '.join(m['loadavg_after'])}.",
         f"- Command: `{results['command']}`; jaxckpt measured: {results.get('jaxckpt_source', '?')}.",
         f"- Machine: {m['nproc']} CPUs ({m['cpu']}), {m['mem_gib']:.1f} GiB memory, kernel {m['kernel']}, "
         f"disk {m['disk']}.",
@@ -185,4 +195,12 @@ def render(results: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        print(render(json.load(f)))
+        text = render(json.load(f))
+    if "--write" in sys.argv[2:]:  # rewrite the .md beside the JSON, and the README's table for a full run
+        import run
+
+        with open(sys.argv[1].removesuffix(".json") + ".md", "w") as f:
+            f.write(text)
+        if os.path.dirname(os.path.abspath(sys.argv[1])) == run.HERE:
+            run.update_readme(text, os.path.basename(sys.argv[1])[len("results-") : -len(".json")])
+    print(text)

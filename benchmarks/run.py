@@ -268,12 +268,12 @@ def main() -> int:
 
 
 def update_readme(text: str, machine: str) -> None:
-    """Put the results between the markers in benchmarks/README.md (headings one level down)."""
+    """Put the results between the markers in benchmarks/README.md (headings two levels down)."""
     path = os.path.join(HERE, "README.md")
     readme = _read(path)
     if README_START not in readme or README_END not in readme:
         return
-    body = "\n".join(("#" + line if line.startswith("#") else line) for line in text.splitlines())
+    body = "\n".join(("##" + line if line.startswith("#") else line) for line in text.splitlines())
     head, rest = readme.split(README_START, 1)
     _, tail = rest.split(README_END, 1)
     with open(path, "w") as f:
