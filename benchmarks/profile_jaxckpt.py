@@ -16,6 +16,7 @@ import collections
 import io
 import os
 import pstats
+import shutil
 import subprocess
 import sys
 
@@ -115,6 +116,7 @@ def main() -> None:
         cprofile(workdir, op, spec["devices"], out, args.top)
         if args.py_spy:
             pyspy(workdir, op, spec["devices"], out, args.top, args.native)
+    shutil.rmtree(os.path.join(workdir, "out"), ignore_errors=True)  # the checkpoints; profiles stay in out
 
 
 if __name__ == "__main__":
