@@ -1,0 +1,179 @@
+"""Object stores through TensorStore kvstores: S3 (a moto server on 127.0.0.1), memory://, and gs:// parsing."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import jaxckpt
+from jaxckpt import _cli, _storage
+
+BUCKET = "jaxckpt-tests"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """An S3-compatible server on loopback for this module, stopped at the end."""
+    pytest.importorskip("moto")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:  # poll until it answers (a readiness check, not a sleep to wait for work)
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the moto S3 server did not start") from None
+    env = {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    }
+    req = urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT")
+    urllib.request.urlopen(req, timeout=10)
+    yield env
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    for k, v in s3_server.items():
+        monkeypatch.setenv(k, v)
+    return f"s3://{BUCKET}/{request.node.name}"
+
+
+def test_save_restore_and_inspect_on_s3(s3):
+    tree = {"w": jnp.arange(300_000.0).reshape(600, 500), "b": np.ones(3, np.float32), "step": 4}
+    path = jaxckpt.save(f"{s3}/easy", tree)
+    assert path == f"{s3}/easy"
+    restored = jaxckpt.restore(path, like=tree)
+    np.testing.assert_array_equal(restored["w"], tree["w"])
+    assert restored["step"] == 4
+    assert dict(jaxckpt.list_variables(path))["w"] == (600, 500)
+    np.testing.assert_array_equal(jaxckpt.load_variable(path, "b"), np.ones(3))
+    with pytest.raises(jaxckpt.CheckpointExistsError):
+        jaxckpt.save(path, tree)
+    jaxckpt.save(path, {"other": 1}, overwrite=True)
+    assert jaxckpt.restore(path) == {"other": 1}
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="nothing is stored"):
+        jaxckpt.restore(f"{s3}/missing")
+
+
+def test_manager_on_s3_saves_retains_and_continues(s3):
+    ckpt = jaxckpt.Checkpoint(step=0, w=jnp.zeros(4))
+    manager = jaxckpt.CheckpointManager(ckpt, f"{s3}/run", max_to_keep=2, step_counter="step")
+    for step in range(1, 5):
+        ckpt.step, ckpt.w = step, jnp.full(4, float(step))
+        manager.save(metrics={"loss": 1.0 / step})
+    assert manager.checkpoints == [f"{s3}/run/ckpt-3", f"{s3}/run/ckpt-4"]
+    manager.close()
+    assert jaxckpt.latest_checkpoint(f"{s3}/run") == f"{s3}/run/ckpt-4"
+    folder = _storage.location(f"{s3}/run")
+    assert _storage.children(folder) == ["checkpoint", "ckpt-3", "ckpt-4"]  # ckpt-1 and ckpt-2 deleted
+    state = json.loads(_storage.read_file(folder, "checkpoint"))
+    assert [c["prefix"] for c in state["checkpoints"]] == ["ckpt-3", "ckpt-4"]
+
+    fresh = jaxckpt.Checkpoint(step=0, w=jnp.zeros(4))
+    restarted = jaxckpt.CheckpointManager(fresh, f"{s3}/run", max_to_keep=2, step_counter="step")
+    assert restarted.restore_or_initialize() == f"{s3}/run/ckpt-4"
+    assert fresh.step == 4 and float(fresh.w[0]) == 4.0
+    assert restarted.save().endswith("ckpt-5")
+    assert restarted.checkpoints == [f"{s3}/run/ckpt-4", f"{s3}/run/ckpt-5"]
+    restarted.close()
+
+
+def test_interrupted_save_on_s3_is_not_a_checkpoint_and_is_cleaned(s3, monkeypatch):
+    from jaxckpt import _arrayio
+
+    real_write = _arrayio.kv_write
+
+    def no_index(base, key, value):
+        if key == "index.json":
+            raise OSError("connection reset")  # the commit never happens
+        real_write(base, key, value)
+
+    monkeypatch.setattr(_arrayio, "kv_write", no_index)
+    with pytest.raises(OSError, match="connection reset"):
+        jaxckpt.save(f"{s3}/c", {"x": np.arange(5)})
+    monkeypatch.setattr(_arrayio, "kv_write", real_write)
+    assert _storage.children(_storage.location(f"{s3}/c")) == []  # the failed save removed its data
+    jaxckpt.save(f"{s3}/c", {"x": np.arange(5)})
+    assert jaxckpt.restore(f"{s3}/c")["x"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_leftover_data_without_index_is_replaced_by_the_next_save(s3):
+    path = jaxckpt.save(f"{s3}/c", {"x": np.arange(3)})
+    kv = ts.KvStore.open(_storage.location(path).spec()).result()
+    kv.delete_range(ts.KvStore.KeyRange("index.json", "index.json\0")).result()  # as if the commit never landed
+    with pytest.raises(jaxckpt.NotACheckpointError, match="no index.json"):
+        jaxckpt.restore(path)
+    jaxckpt.save(path, {"y": 2})
+    assert jaxckpt.restore(path) == {"y": 2}
+    assert _storage.children(_storage.location(path)) == ["data", "index.json"]
+
+
+def test_cli_on_s3(s3, s3_server):
+    ckpt = jaxckpt.Checkpoint(w=np.arange(10, dtype=np.float32))
+    with jaxckpt.CheckpointManager(ckpt, f"{s3}/run", max_to_keep=3) as manager:
+        manager.save()
+    env = {**os.environ, **s3_server, "JAX_PLATFORMS": "cpu"}
+    for args in (["ls", f"{s3}/run"], ["ls", f"{s3}/run/ckpt-1"], ["verify", f"{s3}/run/ckpt-1"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxckpt", *args], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+    assert (
+        "ckpt-1"
+        in subprocess.run(
+            [sys.executable, "-m", "jaxckpt", "ls", f"{s3}/run"], capture_output=True, text=True, env=env, timeout=120
+        ).stdout
+    )
+
+
+def test_memory_store_everywhere(capsys):
+    ckpt = jaxckpt.Checkpoint(w=jnp.ones(3), step=1)
+    with jaxckpt.CheckpointManager(ckpt, "memory://mem-run", max_to_keep=1) as manager:
+        manager.save()
+        ckpt.step = 2
+        manager.save()
+        assert manager.checkpoints == ["memory://mem-run/ckpt-2"]
+    assert jaxckpt.latest_checkpoint("memory://mem-run") == "memory://mem-run/ckpt-2"
+    assert jaxckpt.restore("memory://mem-run/ckpt-2")["step"] == 2
+    assert _cli.main(["verify", "memory://mem-run/ckpt-2"]) == 0
+    assert _cli.main(["ls", "memory://mem-run"]) == 0
+    assert "ckpt-2" in capsys.readouterr().out
+    with pytest.raises(jaxckpt.CheckpointNotFoundError):
+        jaxckpt.restore("memory://nothing-here")
+
+
+def test_gcs_paths_map_to_the_gcs_kvstore():
+    """Google Cloud Storage cannot be reached from the tests; what jaxckpt controls is the spec."""
+    loc = _storage.location("gs://my-bucket/runs/a/")
+    assert loc.spec() == {"driver": "gcs", "bucket": "my-bucket", "path": "runs/a/"}
+    assert (loc / "ckpt-3").spec()["path"] == "runs/a/ckpt-3/"
+    with pytest.raises(ValueError, match="names no bucket"):
+        _storage.location("s3:///nothing")
+    with pytest.raises(NotImplementedError, match="ftp"):
+        _storage.location("ftp://host/x")
