@@ -8,9 +8,11 @@ arrays come back as numpy and values as saved.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import zlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +38,8 @@ from jaxckpt._tree import describe, is_state_object
 NO_TEMPLATE = object()
 # Byte gaps up to this size between wanted pack spans are read through rather than split.
 _SPAN_GAP = 1 << 20
+# Bytes of array reads started but not yet finished.
+_READ_AHEAD_BYTES = 128 << 20
 
 
 def _what(leaf: Leaf) -> str:
@@ -120,11 +124,17 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
         raise _mismatch(key, leaf, template)
 
 
+@functools.cache
+def _default_sharding(device: Any) -> jax.sharding.Sharding:
+    # One object for every leaf: jax.device_put is a third faster on 10,000 leaves that share it.
+    return jax.sharding.SingleDeviceSharding(device)
+
+
 def _target_sharding(template: Any) -> jax.sharding.Sharding | None:
     if isinstance(template, jax.Array):
         return template.sharding
     if isinstance(template, jax.ShapeDtypeStruct):
-        return template.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return template.sharding or _default_sharding(jax.devices()[0])
     return None
 
 
@@ -191,7 +201,23 @@ class Opened:
         for pack, keys in packed.items():
             data.update(self._read_packed(pack, keys))
         data.update(self._read_arrays({k: wanted[k] for k in arrays}))
-        return {key: _finish(self.index.leaves[key], t, data.get(key)) for key, t in wanted.items()}
+        out: dict[str, Any] = {}
+        to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding]] = []
+        for key, template in wanted.items():
+            leaf, value = self.index.leaves[key], data.get(key)
+            if (
+                isinstance(leaf, ArrayLeaf)
+                and not leaf.prng_impl
+                and isinstance(template, (jax.Array, jax.ShapeDtypeStruct))
+                and not isinstance(value, jax.Array)
+            ):
+                to_device.append((key, value, _target_sharding(template)))
+            else:
+                out[key] = _finish(leaf, template, value)
+        if to_device:  # one call for all: per-call overhead dominates for thousands of small leaves
+            arrays = jax.device_put([v for _, v, _ in to_device], [s for _, _, s in to_device])
+            out.update(zip([k for k, _, _ in to_device], arrays))
+        return {key: out[key] for key in wanted}
 
     def _read_packed(self, pack: int, keys: list[str]) -> dict[str, np.ndarray]:
         leaves = {k: self.index.leaves[k] for k in keys}
@@ -233,6 +259,8 @@ class Opened:
                 requests[store].append((k, leaf.at.path, leaf.at.stored, leaf.shape))
         stores = {store: self._reader_of(store).open_arrays(reqs) for store, reqs in requests.items()}
         plans = {}
+        in_flight: deque[tuple[int, Any]] = deque()
+        held = 0
         for key, template in wanted.items():
             leaf = leaves[key]
             sharding = None if leaf.prng_impl else _target_sharding(template)
@@ -242,7 +270,18 @@ class Opened:
             else:  # only the regions this process's devices hold
                 devices = sharding.addressable_devices_indices_map(leaf.shape)
                 targets = {_hashable(i): i for i in devices.values()}
-            pending = {h: self._start_read(key, leaf, stores, index) for h, index in targets.items()}
+            pending = {}
+            for h, index in targets.items():
+                pending[h] = self._start_read(key, leaf, stores, index)
+                # Bound the bytes in flight: TensorStore holds each chunk's stored bytes until it has
+                # copied them out, so starting every read at once would hold the checkpoint twice.
+                size = math.prod(len(range(*s.indices(n))) for s, n in zip(index, leaf.shape)) * leaf.dtype.itemsize
+                in_flight.append((size, pending[h]))
+                held += size
+                while held > _READ_AHEAD_BYTES and len(in_flight) > 1:
+                    done_size, done = in_flight.popleft()
+                    _arrayio.resolve(done)
+                    held -= done_size
             plans[key] = (sharding, devices, pending)
         out = {}
         for key, (sharding, devices, pending) in plans.items():
@@ -251,8 +290,9 @@ class Opened:
             if sharding is None:
                 out[key] = host[()]
             else:
-                arrays = [jax.device_put(host[_hashable(i)], d) for d, i in devices.items()]
+                arrays = jax.device_put([host[_hashable(i)] for i in devices.values()], list(devices))
                 out[key] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+            del host  # the buffers now belong to the jax arrays (aliased on CPU), or are garbage
         return out
 
     def _start_read(self, key: str, leaf: ArrayLeaf, stores: Mapping[str, Any], index: tuple[slice, ...]) -> Any:
@@ -286,12 +326,15 @@ class _Assembly:
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, pieces: list[tuple[tuple[slice, ...], Any]]) -> None:
         self._shape, self._dtype, self._pieces = shape, dtype, pieces
+        self._out: np.ndarray | None = None
 
     def result(self) -> np.ndarray:
-        out = np.empty(self._shape, self._dtype)
-        for into, pending in self._pieces:
-            out[into] = _arrayio.resolve(pending)
-        return out
+        if self._out is None:  # resolved once, however often asked
+            out = _arrayio.aligned_empty(self._shape, self._dtype)
+            for into, pending in self._pieces:
+                out[into] = _arrayio.resolve(pending)
+            self._out, self._pieces = out, []
+        return self._out
 
 
 def _missing_key_message(index: Index, key: str, path: str) -> str:
