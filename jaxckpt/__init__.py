@@ -23,6 +23,7 @@ from jaxckpt._errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     JaxckptError,
+    ManagerLockedError,
     MismatchError,
     MissingKeyError,
     NotACheckpointError,
@@ -33,11 +34,10 @@ from jaxckpt._errors import (
 )
 from jaxckpt._format import FORMAT_VERSION
 from jaxckpt._inspect import CheckpointView, ManagerView, inspect
-from jaxckpt._manager import CheckpointManager, ManagerLockedError, latest_checkpoint
+from jaxckpt._manager import CheckpointManager, latest_checkpoint
 from jaxckpt._policies import CheckpointInfo, KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
 from jaxckpt._slots import SlotReport, restore_slots
-
-__version__ = "0.1.0"
+from jaxckpt._version import __version__ as __version__
 
 __all__ = [
     "FORMAT_VERSION",

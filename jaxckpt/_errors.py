@@ -4,6 +4,7 @@
     ├── CheckpointNotFoundError      (also FileNotFoundError) nothing at that path
     │   └── NotACheckpointError      something is there, but not a finished checkpoint
     ├── CheckpointExistsError        (also FileExistsError) save would overwrite a checkpoint
+    ├── ManagerLockedError           another live CheckpointManager holds the directory
     ├── CheckpointFormatError        (also ValueError) the index cannot be trusted
     │   ├── UnsupportedVersionError  written by a newer jaxckpt
     │   └── CheckpointCorruptedError damaged or truncated data, checksum mismatch
@@ -34,6 +35,10 @@ class NotACheckpointError(CheckpointNotFoundError):
 
 class CheckpointExistsError(JaxckptError, FileExistsError):
     """A save would replace an existing checkpoint without ``overwrite=True``."""
+
+
+class ManagerLockedError(JaxckptError):
+    """Another live CheckpointManager holds the directory (or this one was closed)."""
 
 
 class CheckpointFormatError(JaxckptError, ValueError):

@@ -55,7 +55,7 @@ from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import (
     CheckpointExistsError,
     CheckpointFormatError,
-    JaxckptError,
+    ManagerLockedError,
     UnsupportedValueError,
     UnsupportedVersionError,
 )
@@ -67,10 +67,6 @@ STATE_FORMAT = "jaxckpt-manager-state"
 STATE_VERSION = 1
 LOCK_FILE = "checkpoint.lock"
 _PREFIX = re.compile(r"[^/\\\x00]+")  # one path component: a listed prefix can never point elsewhere
-
-
-class ManagerLockedError(JaxckptError):
-    """Another live CheckpointManager holds the directory (or this one was closed)."""
 
 
 # --- the state file ----------------------------------------------------------------------------

@@ -1,0 +1,31 @@
+"""The public surface is exactly what is meant to be public."""
+
+import jaxckpt
+
+PUBLIC = {
+    # saving and restoring
+    "Checkpoint", "RestoreStatus", "save", "restore", "wait_until_finished", "list_variables", "load_variable",
+    "FORMAT_VERSION",
+    # training loops
+    "CheckpointManager", "latest_checkpoint", "CheckpointInfo", "RetentionPolicy",
+    "KeepLatest", "KeepEvery", "KeepBest", "KeepAny", "restore_slots", "SlotReport",
+    # inspection
+    "inspect", "CheckpointView", "ManagerView",
+    # errors and warnings
+    "JaxckptError", "CheckpointNotFoundError", "NotACheckpointError", "CheckpointExistsError", "ManagerLockedError",
+    "CheckpointFormatError", "UnsupportedVersionError", "CheckpointCorruptedError", "MismatchError",
+    "MissingKeyError", "UnsupportedValueError", "RestoreAssertionError", "UnusedValuesWarning",
+}  # fmt: skip
+
+
+def test_all_is_exactly_the_public_surface():
+    assert set(jaxckpt.__all__) == PUBLIC
+    assert jaxckpt.__all__ == sorted(jaxckpt.__all__, key=lambda n: (not n.isupper(), n))
+    for name in jaxckpt.__all__:
+        assert getattr(jaxckpt, name) is not None
+
+
+def test_version_is_one_string():
+    from jaxckpt._version import __version__
+
+    assert jaxckpt.__version__ == __version__ and __version__.count(".") == 2
