@@ -84,7 +84,7 @@ def train_and_checkpoint(ckpt: jaxckpt.Checkpoint, manager: jaxckpt.CheckpointMa
         losses.append(np.asarray(loss))
         ckpt.step = ckpt.step + 1
         if manager is not None and ckpt.step % 10 == 0:
-            path = manager.save()
+            path = manager.save(metrics={"loss": float(loss)})
             print(f"Saved checkpoint for step {ckpt.step}: {path}")
             print(f"loss {float(loss):1.2f}")
     return losses
@@ -95,13 +95,13 @@ def main() -> None:
 
     print("== First run: 50 steps, a checkpoint every 10 steps, keeping 3 ==")
     ckpt = new_objects()
-    manager = jaxckpt.CheckpointManager(ckpt, CKPT_DIR, max_to_keep=3)
+    manager = jaxckpt.CheckpointManager(ckpt, CKPT_DIR, max_to_keep=3, step_counter="step")
     first = train_and_checkpoint(ckpt, manager, 50)
     manager.close()
 
     print("\n== Restart: new objects, restore the latest checkpoint, 50 more steps ==")
     ckpt = new_objects()
-    manager = jaxckpt.CheckpointManager(ckpt, CKPT_DIR, max_to_keep=3)
+    manager = jaxckpt.CheckpointManager(ckpt, CKPT_DIR, max_to_keep=3, step_counter="step")
     second = train_and_checkpoint(ckpt, manager, 50)
     print(f"Kept checkpoints: {manager.checkpoints}")
     manager.close()
