@@ -36,6 +36,7 @@ from jaxckpt._format import FORMAT_VERSION
 from jaxckpt._inspect import CheckpointView, ManagerView, inspect
 from jaxckpt._manager import CheckpointManager, latest_checkpoint
 from jaxckpt._policies import CheckpointInfo, KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
+from jaxckpt._preemption import PreemptionHandler
 from jaxckpt._slots import SlotReport, restore_slots
 from jaxckpt._version import __version__ as __version__
 
@@ -59,6 +60,7 @@ __all__ = [
     "MismatchError",
     "MissingKeyError",
     "NotACheckpointError",
+    "PreemptionHandler",
     "RestoreAssertionError",
     "RestoreStatus",
     "RetentionPolicy",

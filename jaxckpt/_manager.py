@@ -60,6 +60,7 @@ from jaxckpt._errors import (
     UnsupportedVersionError,
 )
 from jaxckpt._policies import CheckpointInfo, KeepEvery, KeepLatest, RetentionPolicy
+from jaxckpt._preemption import PreemptionHandler
 
 PathLike = str | os.PathLike[str]
 STATE_FILE = "checkpoint"
@@ -307,6 +308,12 @@ class CheckpointManager:
     snapshotted, and writing, the state file and retention run in the background. The next save,
     :meth:`restore_or_initialize`, :meth:`wait_until_finished` and :meth:`close` wait for it and raise
     its error if it failed; ``latest_checkpoint`` and ``checkpoints`` list finished saves only.
+
+    ``save_on_preemption=True`` turns SIGTERM into a notice that the loop polls at step boundaries
+    (:class:`PreemptionHandler`, put back by :meth:`close`): :meth:`save_if_preempted` then saves,
+    waits until the checkpoint is durable, and exits; :meth:`reached_preemption` tells when, for a
+    loop that does that itself. A multi-process run agrees on the step through JAX's preemption
+    sync manager.
     """
 
     def __init__(
@@ -322,6 +329,7 @@ class CheckpointManager:
         init_fn: Callable[[], Any] | None = None,
         policies: Sequence[RetentionPolicy] = (),
         async_save: bool = True,
+        save_on_preemption: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not _PREFIX.fullmatch(checkpoint_name) or checkpoint_name.startswith("."):
@@ -351,6 +359,8 @@ class CheckpointManager:
         self._clock = clock
         self._async = async_save
         self._background = Background("CheckpointManager")
+        # Before anything that close() undoes: the handler refuses a thread that is not the main one.
+        self._preemption = PreemptionHandler() if save_on_preemption else None
         self._path = _storage.location(directory)
         if self._path.local is not None:
             self._path.local.mkdir(parents=True, exist_ok=True)
@@ -526,6 +536,48 @@ class CheckpointManager:
         """Block until the background save is done and recorded; raise its error if it failed."""
         self._background.wait()
 
+    # --- preemption --------------------------------------------------------------------------------
+
+    def reached_preemption(self, step: int | None = None) -> bool:
+        """Whether a preemption notice (SIGTERM) came and ``step`` is the step to save at.
+
+        ``step`` defaults to the step counter's value. In a multi-process run every process must
+        call this at every step with the same step numbers; it is True at the same step on all of
+        them. Needs ``save_on_preemption=True``.
+        """
+        if self._preemption is None:
+            raise ValueError("reached_preemption needs a manager created with save_on_preemption=True.")
+        if step is None:
+            step = self._current_step()
+            if step is None:
+                raise ValueError("reached_preemption needs the step: pass it, or give the manager a step_counter.")
+        return self._preemption.reached_preemption(step)
+
+    def save_if_preempted(
+        self,
+        step: int | None = None,
+        *,
+        checkpoint_number: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        exit_code: int = 0,
+    ) -> None:
+        """At a step boundary: after a preemption notice, save, wait until durable, close and exit.
+
+        Returns at once (None) while there is no notice. Otherwise it saves (unless the latest
+        checkpoint already holds this step), waits for the save, closes the manager and raises
+        ``SystemExit(exit_code)``, so ``finally`` blocks and ``with`` statements still run.
+        ``step`` is as for :meth:`reached_preemption`; ``checkpoint_number`` and ``metrics`` as
+        for :meth:`save`.
+        """
+        if not self.reached_preemption(step):
+            return
+        self._background.wait()
+        counted = self._step_counter is not None and self._infos  # steps in the state file are comparable
+        if not (counted and self._infos[-1].step == self._current_step()):
+            self.save(checkpoint_number, force=True, metrics=metrics)
+        self.close()  # waits for the save; raises its error instead of exiting cleanly
+        raise SystemExit(exit_code)
+
     def _retain(self, candidates: list[CheckpointInfo]) -> list[CheckpointInfo]:
         if not self._policies:
             return candidates
@@ -545,6 +597,8 @@ class CheckpointManager:
             self._background.wait()
         finally:
             self._release()
+            if self._preemption is not None:
+                self._preemption.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -9,6 +9,7 @@ PUBLIC = {
     # training loops
     "CheckpointManager", "latest_checkpoint", "CheckpointInfo", "RetentionPolicy",
     "KeepLatest", "KeepEvery", "KeepBest", "KeepAny", "restore_slots", "SlotReport",
+    "PreemptionHandler",
     # inspection
     "inspect", "CheckpointView", "ManagerView",
     # errors and warnings
