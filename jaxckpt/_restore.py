@@ -112,6 +112,10 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
     if isinstance(leaf, ValueLeaf):
         if is_key or template.shape != () or leaf.type not in ("bool", "int", "float"):
             raise _mismatch(key, leaf, template)
+        try:
+            np.asarray(leaf.value, dtype=template.dtype)
+        except OverflowError:  # a Python int that the dtype cannot hold
+            raise _mismatch(key, leaf, template, " The value does not fit that dtype.") from None
         return
     if is_key != bool(leaf.prng_impl):
         raise _mismatch(key, leaf, template)
