@@ -8,6 +8,7 @@ checkpoint, an object dtype, or an allocation that its own data does not back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -15,10 +16,16 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
-from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, UnsupportedVersionError
+from jaxckpt._errors import (
+    CheckpointCorruptedError,
+    CheckpointFormatError,
+    UnsupportedValueError,
+    UnsupportedVersionError,
+)
 from jaxckpt._tree import NODE_KINDS, NodeInfo, child_keys, describe
 
 FORMAT_NAME = "jaxckpt"
@@ -34,6 +41,9 @@ def data_store(process: int) -> str:
 
 
 MAX_RANK = 64
+# Nesting depth of the node graph. Restores rebuild trees recursively, about two Python frames a
+# level, so a deeper graph would exhaust the interpreter's stack; no real model comes near it.
+MAX_DEPTH = 256
 _ARRAY_PATH = re.compile(r"^a/[0-9]{1,9}$")
 _PACK_PATH = re.compile(r"^p/[0-9]{1,9}$")
 
@@ -189,6 +199,12 @@ def _canonical(body: Mapping[str, Any]) -> bytes:
 
 def encode_index(index: Index) -> bytes:
     """The index file: compact canonical JSON with a crc32 of itself (without the checksum field)."""
+    deepest = _deepest(index.nodes)
+    if deepest is not None:
+        raise UnsupportedValueError(
+            f"Cannot save {describe(deepest)}: it is nested {_depth(deepest)} levels deep, and jaxckpt restores "
+            f"trees of at most {MAX_DEPTH} levels. Flatten the structure."
+        )
     body = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -235,7 +251,7 @@ def decode_index(data: bytes, where: str) -> Index:
     """Parse and validate an index; ``where`` names the file in messages."""
     try:
         body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, or an integer of over 4300 digits
         raise CheckpointCorruptedError(f"The checkpoint index {where} is not valid JSON ({e}); it is damaged.") from e
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise CheckpointFormatError(f'{where} is not a jaxckpt index (no "format": "jaxckpt" field).')
@@ -250,7 +266,12 @@ def decode_index(data: bytes, where: str) -> Index:
     if version < 1:
         raise _fail(where, f"unknown format version {version}")
     checksum = body.pop("checksum", None)
-    expected = f"crc32:{zlib.crc32(_canonical(body)):08x}"
+    try:
+        expected = f"crc32:{zlib.crc32(_canonical(body)):08x}"
+    except (ValueError, RecursionError) as e:  # NaN, Infinity, 1e999, lone surrogates: never written by jaxckpt
+        raise CheckpointCorruptedError(
+            f"The checkpoint index {where} holds values that are not canonical JSON ({e})."
+        ) from e
     if checksum != expected:
         raise CheckpointCorruptedError(
             f"The checkpoint index {where} fails its checksum (recorded {checksum!r}, computed {expected!r}); "
@@ -292,6 +313,27 @@ def _parse_pack(raw: Any, where: str) -> Pack:
     return Pack(path, _nonneg_int(raw, "nbytes", where))
 
 
+def _depth(key: str) -> int:
+    return key.count("/") + 1 if key else 0  # a "/" inside an edge is escaped, so each one separates two
+
+
+def _deepest(nodes: Mapping[str, NodeInfo]) -> str | None:
+    """A node deeper than MAX_DEPTH (its children would be deeper still), or None."""
+    return next((k for k in nodes if _depth(k) >= MAX_DEPTH), None)
+
+
+@functools.lru_cache(maxsize=16)
+def _prng_key_shape(impl: str) -> tuple[int, ...] | None:
+    """The key data shape of a PRNG implementation registered with JAX under that name, or None.
+
+    Resolved by name in JAX's registry of implementations (nothing is imported) and only traced.
+    """
+    try:
+        return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
+    except (ValueError, TypeError):
+        return None
+
+
 def _parse_leaf(raw: Any, packs: list[Pack], where: str) -> Leaf:
     kind = _get(raw, "type", str, where)
     if kind == "none":
@@ -305,7 +347,10 @@ def _parse_leaf(raw: Any, packs: list[Pack], where: str) -> Leaf:
                 if value not in ("nan", "inf", "-inf"):
                     raise _fail(where, f"float value {value!r}")
                 value = float(value)
-            return ValueLeaf(kind, float(value))
+            try:
+                return ValueLeaf(kind, float(value))
+            except OverflowError:  # an integer beyond float's range
+                raise _fail(where, f"float value of {len(str(value))} digits is out of range") from None
         return ValueLeaf(kind, _get(raw, "value", SCALAR_TYPES[kind], where))
     if kind not in ("array", "prng_key"):
         raise _fail(where, f"unknown leaf type {kind!r}")
@@ -320,6 +365,12 @@ def _parse_leaf(raw: Any, packs: list[Pack], where: str) -> Leaf:
     if container not in (JAX, NUMPY, NUMPY_SCALAR):
         raise _fail(where, f"unknown container {container!r}")
     impl = _get(raw, "impl", str, where) if kind == "prng_key" else None
+    if impl is not None:  # restores wrap the data as keys of this implementation: check it fits
+        key_shape = _prng_key_shape(impl)
+        if key_shape is None:
+            raise _fail(where, f"unknown PRNG implementation {impl!r}")
+        if name != "uint32" or len(shape) < len(key_shape) or tuple(shape[len(shape) - len(key_shape) :]) != key_shape:
+            raise _fail(where, f"{impl} key data must be uint32 of shape (..., {', '.join(map(str, key_shape))})")
     sharding = raw.get("sharding")
     if sharding is not None and not isinstance(sharding, str):
         raise _fail(where, "field 'sharding' is not a string")
@@ -398,3 +449,6 @@ def _check_graph(nodes: dict[str, NodeInfo], leaves: dict[str, Leaf], where: str
         stack.extend(child_keys(key, info))
     if seen_nodes != len(nodes) or seen_leaves != len(leaves):
         raise _fail(where, "it has entries that are not reachable from the root")
+    deepest = _deepest(nodes)
+    if deepest is not None:
+        raise _fail(where, f"its nodes are nested more than {MAX_DEPTH} levels deep ({describe(deepest)[:100]}...)")
