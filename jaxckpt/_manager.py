@@ -80,6 +80,16 @@ def _bad_state(where: Path, why: str) -> CheckpointFormatError:
     )
 
 
+def _is_number(x: Any) -> bool:
+    """A finite JSON number that fits a float (a 400-digit integer does not)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _parse_entry(raw: Any, where: Path, directory: str) -> CheckpointInfo:
     if not isinstance(raw, dict):
         raise _bad_state(where, f"a checkpoint entry must be an object, not {raw!r}")
@@ -88,12 +98,9 @@ def _parse_entry(raw: Any, where: Path, directory: str) -> CheckpointInfo:
         raise _bad_state(where, f"prefix {prefix!r} is not the name of a folder in the directory")
     if isinstance(step, bool) or not isinstance(step, int):
         raise _bad_state(where, f"step of {prefix!r} must be an int, not {step!r}")
-    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+    if not _is_number(when):
         raise _bad_state(where, f"time of {prefix!r} must be a number, not {when!r}")
-    if not isinstance(metrics, dict) or not all(
-        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
-        for v in metrics.values()
-    ):
+    if not isinstance(metrics, dict) or not all(v is None or _is_number(v) for v in metrics.values()):
         raise _bad_state(where, f"metrics of {prefix!r} must map names to numbers or null, not {metrics!r}")
     return CheckpointInfo(os.path.join(directory, prefix), step, float(when), dict(metrics))
 
@@ -111,7 +118,7 @@ def _read_state(directory: str) -> list[CheckpointInfo] | None:
         raise _bad_state(where, f"it cannot be read as UTF-8 text ({e})") from e
     try:
         doc = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # not JSON, too deeply nested, or an integer of over 4300 digits
         hint = " (it looks like a TensorFlow state file)" if text.startswith("model_checkpoint_path") else ""
         raise _bad_state(where, f"it is not JSON{hint}: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
@@ -363,7 +370,13 @@ class CheckpointManager:
         self._preemption = PreemptionHandler() if save_on_preemption else None
         self._path = _storage.location(directory)
         if self._path.local is not None:
-            self._path.local.mkdir(parents=True, exist_ok=True)
+            try:
+                self._path.local.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError) as e:  # a file where a folder must be
+                raise CheckpointExistsError(
+                    f"A CheckpointManager keeps its checkpoints in a directory, and {self._directory!r} cannot be "
+                    f"one: {e.strerror} ({e.filename!r}). Choose another directory."
+                ) from None
         # In a multi-process run, only the primary owns the directory: it holds the lock, writes the
         # state file and deletes; the others keep the same list of checkpoints in memory.
         self._primary = _multihost.is_primary()
