@@ -63,7 +63,9 @@ class Location:
     def spec(self) -> dict[str, Any]:
         """The TensorStore kvstore spec of this folder."""
         if self.local is not None:
-            return {"driver": "file", "path": str(self.local) + "/"}
+            # TensorStore refuses ".." in a file path, which a user's path may hold ("ckpts/../ckpts/ckpt-1").
+            local = self.local.resolve() if ".." in self.local.parts else self.local
+            return {"driver": "file", "path": str(local) + "/"}
         return dict(self.kv)
 
 
