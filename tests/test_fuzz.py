@@ -1,0 +1,507 @@
+"""Hostile files: fuzzed indexes and state files only ever raise jaxckpt's own errors.
+
+Hypothesis mutates a real checkpoint's index.json and a real manager's state file (random values
+and types anywhere, huge shapes, deep nesting, huge integers, NaN literals, lone surrogates, keys
+with ``..``, absolute paths and NUL, crafted class names), usually with a valid checksum so that
+parsing goes past it. Restore (with and without a template), ``Checkpoint.restore``,
+``list_variables``, ``load_variable``, ``verify``, ``latest_checkpoint`` and the manager's start-up
+must raise a :class:`jaxckpt.JaxckptError` or succeed: no other exception, crash or hang, no
+allocation beyond what the data backs (the fuzz runs under RLIMIT_AS), no file read or written
+outside the checkpoint, and no code run (no new module imported, ``os.system`` never called).
+
+``max_examples`` is modest by default; the ``stress`` marker runs many more.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import json
+import os
+import resource
+import shutil
+import sys
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxckpt
+from jaxckpt import _arrayio, _cli
+
+DEFAULT_EXAMPLES = 150
+STRESS_EXAMPLES = 3000
+
+SPECIAL_STRINGS = [
+    "..", "../..", "../../../etc/passwd", "/etc/passwd", "/", "a\x00b", "\x00", "~", "~1", "~e", "~i0", "",
+    "os.system", "posix.system", "builtins.eval", "subprocess.Popen", "antigravity.Fly", "this",
+    "a/0", "a/1", "a/999999999", "p/0", "p/1", "data", "data.p1", "data.p999999", "data/../..",
+    "jaxckpt", "jaxckpt-manager-state", "array", "prng_key", "state", "none", "int", "str", "dict", "namedtuple",
+    "node", "nnx", "checkpoint", "float32", "bfloat16", "uint4", "object", "threefry2x32", "rbg", "nan", "inf",
+    "ckpt-1", "ckpt-3", ".ckpt-1", "crc32:00000000", "\ud800", "é/ü",
+]  # fmt: skip
+HUGE_SHAPES = [
+    [2**62], [2**31, 2**31], [2**40], [10**30], [2**62, 2**62], [0, 2**62], [2**62, 0], [-1], [1] * 65,
+    [3.5], ["3"], [True], [], [0], [2**63], [2**64 + 3],
+]  # fmt: skip
+# Values that json.dumps cannot write (or writes otherwise): placeholders, swapped in as raw text.
+RAW = {
+    "\ue000deep": "[" * 20000 + "]" * 20000,
+    "\ue000deepobj": '{"a":' * 5000 + "1" + "}" * 5000,
+    "\ue000hugeint": "9" * 5000,  # over Python's 4300-digit limit for int("...")
+    "\ue000bigint": "9" * 400,  # parses, but too large for a float
+    "\ue000nan": "NaN",
+    "\ue000inf": "Infinity",
+    "\ue000overflow": "1e999",
+    "\ue000surrogate": '"\\udc00"',
+}
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.sampled_from([2**31, 2**62, 2**63, 2**64, -(2**63), 10**30, -1, 0])
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+    | st.sampled_from(SPECIAL_STRINGS)
+    | st.sampled_from(sorted(RAW))
+)
+json_values = st.recursive(
+    scalars,
+    lambda kids: (
+        st.lists(kids, max_size=4)
+        | st.dictionaries(st.text(max_size=4) | st.sampled_from(SPECIAL_STRINGS), kids, max_size=4)
+    ),
+    max_leaves=8,
+)
+replacements = json_values | st.sampled_from(HUGE_SHAPES)
+
+
+# --- writing hostile JSON --------------------------------------------------------------------------
+
+
+def paths_in(obj: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every path (tuple of dict keys and list indexes) to a value inside ``obj``, the root first."""
+    out = [prefix]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += paths_in(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += paths_in(v, (*prefix, i))
+    return out
+
+
+def mutate(data: st.DataObject, body: dict) -> dict:
+    """One to three random edits anywhere in ``body`` (a deep copy is returned)."""
+    body = json.loads(json.dumps(body))
+    for _ in range(data.draw(st.integers(1, 3), label="edits")):
+        path = data.draw(st.sampled_from(paths_in(body)[1:]), label="path")
+        parent = body
+        for step in path[:-1]:
+            parent = parent[step]
+        last = path[-1]
+        op = data.draw(st.sampled_from(["replace", "replace", "replace", "delete", "insert"]), label="op")
+        if op == "replace":  # a copy: sampled_from hands out the same list every time
+            parent[last] = copy.deepcopy(data.draw(replacements, label="value"))
+        elif op == "delete":
+            del parent[last]
+        elif isinstance(parent, dict):
+            key = data.draw(st.text(max_size=4) | st.sampled_from(SPECIAL_STRINGS), label="key")
+            parent[key] = data.draw(json_values, label="value")
+        else:
+            parent.insert(last, data.draw(json_values, label="value"))
+    return body
+
+
+def dumps(body: Any, *, ascii: bool, indent: int | None = None) -> bytes:
+    separators = (",", ":") if indent is None else None
+    text = json.dumps(body, sort_keys=True, indent=indent, separators=separators, ensure_ascii=ascii)
+    for placeholder, raw in RAW.items():
+        text = text.replace(json.dumps(placeholder, ensure_ascii=ascii), raw)
+    return text.encode("utf-8", "surrogatepass")  # a lone surrogate makes invalid UTF-8 (unless escaped)
+
+
+def index_bytes(data: st.DataObject, body: dict) -> bytes:
+    """The index file of ``body``: usually with a valid checksum, so that parsing goes past it."""
+    ascii = data.draw(st.booleans(), label="ascii")
+    canonical = dumps(body, ascii=False)
+    how = data.draw(st.sampled_from(["valid", "valid", "valid", "stale", "missing"]), label="checksum")
+    if how == "valid":
+        checksum = f"crc32:{zlib.crc32(canonical):08x}"
+    elif how == "stale":
+        checksum = "crc32:00000000"
+    else:
+        return dumps(body, ascii=ascii)
+    return dumps({"checksum": checksum, **body}, ascii=ascii)
+
+
+# --- watching for escapes --------------------------------------------------------------------------
+
+
+class Outcomes(collections.Counter):
+    """How each call ended: 'ok' or the name of the jaxckpt error."""
+
+    def call(self, fn, *args, **kwargs) -> Any:
+        try:
+            result = fn(*args, **kwargs)
+        except jaxckpt.JaxckptError as e:
+            self[type(e).__name__] += 1
+            return None
+        self["ok"] += 1
+        return result
+
+
+_LAZY_IMPORTS = {
+    "jax",
+    "jaxlib",
+    "numpy",
+    "ml_dtypes",
+    "tensorstore",
+    "jaxckpt",
+    "hypothesis",
+    "_hypothesis",
+    "encodings",
+}
+
+
+@contextlib.contextmanager
+def guarded(headroom: int = 3 << 30):
+    """No code runs from a checkpoint, and no allocation beyond ``headroom`` bytes of address space.
+
+    RLIMIT_AS makes any large allocation fail at once (instead of being overcommitted and touched
+    later), so a crafted shape that allocated would show up as a MemoryError or a crash.
+    """
+    modules = set(sys.modules)
+    real_system = os.system
+
+    def no_system(*args: Any) -> int:
+        raise AssertionError(f"a checkpoint made jaxckpt call os.system{args}")
+
+    os.system = no_system
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        used = int(f.read().split()[0]) * resource.getpagesize()
+    limit = used + headroom if hard == resource.RLIM_INFINITY else min(hard, used + headroom)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        os.system = real_system
+    # jaxckpt and JAX import some modules lazily; a class named in a checkpoint would be something else.
+    new = {m for m in set(sys.modules) - modules if m.split(".")[0] not in _LAZY_IMPORTS}
+    assert not new, f"restoring imported {sorted(new)}"
+
+
+def tree_of_everything() -> dict[str, Any]:
+    """Every kind of node and leaf, packed and in own arrays."""
+
+    class Pair(NamedTuple):
+        left: Any
+        right: Any
+
+    class Position:
+        def __init__(self) -> None:
+            self.at = 3
+
+        def get_state(self) -> dict[str, int]:
+            return {"at": self.at}
+
+        def set_state(self, state: Any) -> None:
+            self.at = state  # whatever a crafted index holds: the object's own checks are not under test
+
+    return {
+        "packed": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "own": np.arange(300, dtype=np.int32),  # over the (lowered) packing limit
+        "bf16": jnp.ones((4,), jnp.bfloat16),
+        "u4": np.arange(8, dtype=np.uint8).astype(ml_dtypes.uint4),
+        "key": jax.random.key(0),
+        "pair": Pair(np.float32(1.5), [1, 2.5, "s", None, True]),
+        "ints": {0: np.zeros(2, np.int8), "0": "zero"},
+        "pos": Position(),
+        "empty": np.zeros((0, 3), np.float32),
+    }
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory):
+    """A checkpoint of everything; leaves over 256 bytes get their own zarr3 array."""
+    path = tmp_path_factory.mktemp("fuzz") / "original"
+    real = _arrayio.PACK_LEAF_LIMIT
+    _arrayio.PACK_LEAF_LIMIT = 256
+    try:
+        jaxckpt.save(path, tree_of_everything())
+    finally:
+        _arrayio.PACK_LEAF_LIMIT = real
+    body = json.loads((path / "index.json").read_bytes())
+    body.pop("checksum")
+    return path, body
+
+
+def _fuzz_index(tmp_path: Path, original: tuple[Path, dict], examples: int) -> None:
+    source, body = original
+    work = tmp_path / "work" / "ckpt"
+    shutil.copytree(source, work)
+    bait = tmp_path / "bait.txt"  # what a path escaping the checkpoint would find
+    bait.write_text("outside")
+    before = {p: p.read_bytes() for p in work.rglob("*") if p.is_file() and p.name != "index.json"}
+    template = tree_of_everything()
+    outcomes = Outcomes()
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+    @given(st.data())
+    def run(data: st.DataObject) -> None:
+        (work / "index.json").write_bytes(index_bytes(data, mutate(data, body)))
+        with guarded(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unused-values warnings of partial restores
+            outcomes.call(jaxckpt.restore, work)
+            outcomes.call(jaxckpt.restore, work, like=template, partial=True)
+            status = outcomes.call(jaxckpt.Checkpoint(**tree_of_everything()).restore, work)
+            if status is not None:
+                status.expect_partial()
+            names = outcomes.call(jaxckpt.list_variables, work) or []
+            for key, _ in names[:4]:
+                outcomes.call(jaxckpt.load_variable, work, key)
+            with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
+                assert _cli.main(["verify", str(work)]) in (0, 1)
+
+    run()
+    assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file() and p.name != "index.json"} == before
+    assert sorted(p.name for p in work.parent.iterdir()) == ["ckpt"] and bait.read_text() == "outside"
+    print(f"\nfuzz index: {examples} examples, calls ended: {dict(outcomes)}")
+    assert outcomes["ok"] > 0 and sum(outcomes.values()) > outcomes["ok"]
+
+
+def test_fuzzed_index(tmp_path, original):
+    _fuzz_index(tmp_path, original, DEFAULT_EXAMPLES)
+
+
+@pytest.mark.stress
+def test_fuzzed_index_stress(tmp_path, original):
+    _fuzz_index(tmp_path, original, STRESS_EXAMPLES)
+
+
+# --- the manager's state file ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def manager_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("fuzz") / "ckpts"
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.ones(3, np.float32))
+    with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=3, step_counter="step") as manager:
+        for step in range(1, 5):
+            ckpt.step = step
+            manager.save(metrics={"loss": 1 / step})
+    return directory, json.loads((directory / "checkpoint").read_text())
+
+
+def _fuzz_state(tmp_path: Path, manager_dir: tuple[Path, dict], examples: int) -> None:
+    source, body = manager_dir
+    outside = tmp_path / "outside"  # a checkpoint beside the directory, which no state file may reach
+    shutil.copytree(source / "ckpt-4", outside / "ckpt-9")
+    work = tmp_path / "work"
+    outcomes = Outcomes()
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def run(data: st.DataObject) -> None:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(source, work)
+        (work / "checkpoint").write_bytes(
+            dumps(mutate(data, body), ascii=data.draw(st.booleans(), label="ascii"), indent=2)
+        )
+        with guarded():
+            latest = outcomes.call(jaxckpt.latest_checkpoint, work)
+            if latest is not None:
+                assert Path(latest).parent == work, f"latest_checkpoint gave {latest!r}, outside {work}"
+            ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(3, np.float32))
+            manager = outcomes.call(jaxckpt.CheckpointManager, ckpt, work, max_to_keep=2, step_counter="step")
+            if manager is not None:
+                for path in manager.checkpoints:
+                    assert Path(path).parent == work, f"the manager lists {path!r}, outside {work}"
+                manager.close()
+        assert sorted(os.listdir(outside)) == ["ckpt-9"] and (outside / "ckpt-9" / "index.json").is_file()
+
+    run()
+    print(f"\nfuzz state file: {examples} examples, calls ended: {dict(outcomes)}")
+    assert outcomes["ok"] > 0 and sum(outcomes.values()) > outcomes["ok"]
+
+
+def test_fuzzed_state_file(tmp_path, manager_dir):
+    _fuzz_state(tmp_path, manager_dir, DEFAULT_EXAMPLES)
+
+
+@pytest.mark.stress
+def test_fuzzed_state_file_stress(tmp_path, manager_dir):
+    _fuzz_state(tmp_path, manager_dir, STRESS_EXAMPLES // 3)
+
+
+# --- crafted indexes: each hostile idea once, by hand ----------------------------------------------
+
+
+def write_index(path: Path, body: dict) -> None:
+    """``body`` as ``path``'s index, with a valid checksum: only the validation stands in the way."""
+    canonical = dumps(body, ascii=False)
+    (path / "index.json").write_bytes(dumps({"checksum": f"crc32:{zlib.crc32(canonical):08x}", **body}, ascii=False))
+
+
+def nested(depth: int):
+    """An edit that hangs a chain of ``depth`` dicts under the root."""
+
+    def edit(body: dict) -> None:
+        key = ""
+        body["nodes"][""]["keys"].append("deep")
+        for _ in range(depth):
+            key = f"{key}/deep" if key else "deep"
+            body["nodes"][key] = {"kind": "dict", "class": "dict", "keys": ["deep"]}
+        body["leaves"][f"{key}/deep"] = {"type": "int", "value": 1}
+
+    return edit
+
+
+def leaf(name: str, **fields: Any):
+    return lambda body: body["leaves"][name].update(fields)
+
+
+CRAFTED = {
+    "float beyond float's range": (leaf("pair/right/1", value=10**400), "out of range"),
+    "unknown PRNG implementation": (leaf("key", impl="os.system"), "unknown PRNG implementation"),
+    "rbg keys with threefry data": (leaf("key", impl="rbg"), "key data must be uint32"),
+    "float32 key data": (leaf("key", dtype="float32"), "key data must be uint32"),
+    "nodes 3000 deep": (nested(3000), "nested more than"),
+    "huge own-array shape": (leaf("own", shape=[2**62]), r"'own'.*\(4611686018427387904,\)"),
+    "huge packed shape": (leaf("packed", shape=[2**62, 3]), "cannot hold shape"),
+    "huge pack": (
+        lambda body: (
+            body["packs"][0].update(nbytes=2**62),
+            body["leaves"]["packed"].update(shape=[2**59]),
+            body["leaves"]["packed"]["at"].update(offset=0, nbytes=2**61),
+        ),
+        "is not 4611686018427387904 bytes",
+    ),
+    "NUL in an array path": (lambda body: body["leaves"]["own"]["at"].update(array="a/0\x00"), "array path"),
+    "data store outside": (
+        lambda body: body["leaves"]["own"]["at"].update(regions={"../data": [[[0, 300]]]}),
+        "data store '../data'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_crafted_index_is_refused_before_any_read(tmp_path, original, case):
+    source, body = original
+    edit, message = CRAFTED[case]
+    path = tmp_path / "ckpt"
+    shutil.copytree(source, path)
+    body = copy.deepcopy(body)
+    edit(body)
+    write_index(path, body)
+    with guarded(headroom=1 << 30):  # a huge shape that allocated would fail here, not pass
+        with pytest.raises(jaxckpt.JaxckptError, match=message):
+            jaxckpt.restore(path)
+        with pytest.raises(jaxckpt.JaxckptError):  # the same, or a template that disagrees first
+            jaxckpt.restore(path, like=tree_of_everything(), partial=True)
+
+
+@pytest.mark.parametrize("kind", ["namedtuple", "node", "nnx", "checkpoint"])
+@pytest.mark.parametrize("cls", ["os.system", "antigravity.Fly", "builtins.exec", "subprocess.Popen", "this"])
+def test_class_names_in_an_index_are_never_imported_or_called(tmp_path, original, kind, cls):
+    source, body = original
+    path = tmp_path / "ckpt"
+    shutil.copytree(source, path)
+    body = copy.deepcopy(body)
+    body["nodes"]["pair"].update({"kind": kind, "class": cls})
+    write_index(path, body)
+    with guarded():
+        restored = jaxckpt.restore(path)
+    assert "antigravity" not in sys.modules and "this" not in sys.modules
+    assert list(restored["pair"]) != [] and restored["packed"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+HOSTILE_KEYS = ["..", "../..", "../../outside", "/etc/passwd", "/", "a\x00b", "~1", "~e", "data", "index.json", ""]
+
+
+def test_hostile_keys_round_trip_and_write_nothing_outside(tmp_path):
+    tree = {k: {"v": np.full(3, i, np.float32), k: i} for i, k in enumerate(HOSTILE_KEYS)}
+    tree["big"] = {k: np.full(70_000, i, np.float32) for i, k in enumerate(HOSTILE_KEYS)}  # own arrays
+    path = jaxckpt.save(tmp_path / "c", tree)
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert sorted(os.listdir(path)) == ["data", "index.json"]
+    restored = jaxckpt.restore(path)
+    assert list(restored) == list(tree)
+    for k in HOSTILE_KEYS:
+        np.testing.assert_array_equal(restored[k]["v"], tree[k]["v"])
+        np.testing.assert_array_equal(restored["big"][k], tree["big"][k])
+    keys = [k for k, _ in jaxckpt.list_variables(path)]
+    assert all(jaxckpt.load_variable(path, k) is not None for k in keys if k.startswith("~e") or ".." in k)
+
+
+def test_crafted_keys_stay_keys(tmp_path, original):
+    """Renaming a leaf to a path-like key in the index changes what the dict is called, nothing on disk."""
+    source, pristine = original
+    path = tmp_path / "ckpt"
+    shutil.copytree(source, path)
+    for hostile in ("../../../etc/passwd", "/etc/passwd", "a\x00b", ".."):
+        body = copy.deepcopy(pristine)
+        keys = body["nodes"][""]["keys"]
+        keys[keys.index("packed")] = hostile
+        body["leaves"][hostile.replace("~", "~0").replace("/", "~1")] = body["leaves"].pop("packed")
+        write_index(path, body)
+        with guarded():
+            restored = jaxckpt.restore(path)
+        assert restored[hostile].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+# --- bad input: not hostile, just wrong --------------------------------------------------------------
+
+
+def test_python_int_that_does_not_fit_the_template_dtype(tmp_path):
+    path = jaxckpt.save(tmp_path / "c", {"n": 2**40, "big": 10**400})
+    for template in (np.int32(0), jnp.int32(0), jax.ShapeDtypeStruct((), jnp.int32)):
+        with pytest.raises(jaxckpt.MismatchError, match=r"'n'.*Python int.*int32 array.*does not fit"):
+            jaxckpt.restore(path, like={"n": template, "big": 0})
+    with pytest.raises(jaxckpt.MismatchError, match=r"'big'.*does not fit"):
+        jaxckpt.restore(path, like={"n": 0, "big": np.float32(0)})
+    assert jaxckpt.restore(path, like={"n": np.int64(0), "big": 0}) == {"n": 2**40, "big": 10**400}
+
+
+def test_manager_directory_that_is_a_file(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    for directory in (tmp_path / "file", tmp_path / "file" / "ckpts"):
+        with pytest.raises(jaxckpt.CheckpointExistsError, match=rf"{directory}.*cannot be one"):
+            jaxckpt.CheckpointManager(jaxckpt.Checkpoint(a=1), directory)
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_manager_with_a_checkpoint_of_a_newer_format(tmp_path):
+    with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(a=1), tmp_path) as manager:
+        latest = manager.save()
+    body = json.loads((Path(latest) / "index.json").read_bytes())
+    body.pop("checksum")
+    body["version"] = jaxckpt.FORMAT_VERSION + 1
+    write_index(Path(latest), body)
+    with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(a=0), tmp_path) as manager:
+        with pytest.raises(jaxckpt.UnsupportedVersionError, match=rf"{latest}/index.json.*Upgrade jaxckpt"):
+            manager.restore_or_initialize()
+    assert _cli.main(["verify", str(tmp_path)]) == 1
+
+
+def test_path_with_dot_dot(tmp_path):
+    """A user's path may go up and down again; TensorStore alone would refuse it."""
+    (tmp_path / "sub").mkdir()
+    jaxckpt.save(tmp_path / "c", {"x": np.arange(300_000, dtype=np.float32), "y": 1})
+    roundabout = tmp_path / "sub" / ".." / "c"
+    assert jaxckpt.restore(roundabout)["x"][-1] == 299_999
+    jaxckpt.save(tmp_path / "sub" / ".." / "d", {"x": np.ones(300_000, np.float32)})
+    assert jaxckpt.load_variable(tmp_path / "d", "x").sum() == 300_000
