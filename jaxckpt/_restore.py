@@ -234,8 +234,17 @@ class Opened:
             else:
                 spans.append([at.offset, at.offset + at.nbytes])
         info = self.index.packs[pack]
-        pending = self._reader_of(DATA_DIR).read_pack_spans(info.path, info.nbytes, [tuple(s) for s in spans])
-        buffers = [(start, _arrayio.resolve(p)) for (start, _), p in zip(spans, pending)]
+        try:
+            pending = self._reader_of(DATA_DIR).read_pack_spans(info.path, info.nbytes, [tuple(s) for s in spans])
+            buffers = [(start, _arrayio.resolve(p)) for (start, _), p in zip(spans, pending)]
+        except CheckpointCorruptedError as e:  # name the values packed there, not the pack alone
+            names = ", ".join(map(describe, ordered[:5])) + (
+                f" and {len(ordered) - 5} more" if len(ordered) > 5 else ""
+            )
+            raise CheckpointCorruptedError(
+                f"Cannot read the data of {names} (packed in {info.path!r} in the checkpoint): {e.__cause__ or e}. "
+                "The checkpoint's files are damaged or truncated."
+            ) from e
         out = {}
         for k in ordered:
             leaf, at = leaves[k], leaves[k].at
