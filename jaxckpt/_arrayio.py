@@ -198,6 +198,14 @@ class Reader:
                     f"The stored array of {describe(key)} has shape {tuple(store.shape)} and dtype "
                     f"{store.dtype.name}, but the index says {tuple(shape)} and {dtype}; the checkpoint is inconsistent."
                 )
+            # Chunks equal to the fill value are not stored, and zarr.json has no checksum: a flipped bit in
+            # its fill value would silently turn those chunks into other values. jaxckpt always writes zero.
+            fill = store.fill_value
+            if fill is not None and np.asarray(fill).tobytes().strip(b"\0"):
+                raise CheckpointCorruptedError(
+                    f"The stored array of {describe(key)} (array {path!r}) has the fill value {fill}, but jaxckpt "
+                    "writes 0: its metadata is damaged, and its chunks of zeros cannot be trusted."
+                )
             stores[key] = store
         return stores
 
