@@ -1,0 +1,193 @@
+"""Full disks and failing storage: a save that cannot write raises, and changes nothing that exists.
+
+Writes fail on purpose (ENOSPC from the array writer at its N-th flush, from the index file, or
+from the manager's state file), and on a real 20 MB tmpfs filled up by another file (skipped where
+mounting is not allowed). In every case, for manager saves both synchronous and asynchronous: the
+save raises, the kept checkpoints and the state file are untouched and still restore, no staging
+folder is left behind, and once space is back the next save works.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt import _arrayio, _manager, _storage
+
+
+def state(step: int) -> jaxckpt.Checkpoint:
+    """Three own arrays (1.2 MB each, numpy: copied by a save) and packed ones; values encode ``step``."""
+    ckpt = jaxckpt.Checkpoint(step=step)
+    ckpt.arrays = {f"v{i}": np.full(300_000, step * 10 + i, np.float32) for i in range(3)}
+    ckpt.small = {f"s{i}": np.full(100, step * 10 + i, np.int32) for i in range(5)}
+    return ckpt
+
+
+def check_step(path: str, step: int) -> None:
+    tree = jaxckpt.restore(path)
+    assert tree["step"] == step
+    for name, group in (("arrays", 3), ("small", 5)):
+        for i in range(group):
+            value = tree[name][f"{'v' if name == 'arrays' else 's'}{i}"]
+            assert (value == step * 10 + i).all(), f"{path}: {name}/{i}"
+
+
+class Snapshot:
+    """What a directory held: the state file's bytes, the folder listing, each listed checkpoint's step."""
+
+    def __init__(self, directory: Path) -> None:
+        self.state = (directory / "checkpoint").read_bytes()
+        self.listing = sorted(os.listdir(directory))
+        self.infos = _manager._read_state(str(directory))
+
+    def assert_untouched(self, directory: Path, *, allow_unlisted: str | None = None) -> None:
+        assert (directory / "checkpoint").read_bytes() == self.state, "the state file changed"
+        listing = [n for n in sorted(os.listdir(directory)) if n != allow_unlisted]
+        assert listing == self.listing, f"left behind: {set(listing) ^ set(self.listing)}"
+        for info in self.infos:
+            check_step(info.path, info.step)
+
+
+def enospc(what: str) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), what)
+
+
+def fail_writer_flush(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
+    """The array writer's ``nth`` flush from now on fails as a full disk would, after writing nothing."""
+    real, calls = _arrayio.Writer.flush, []
+
+    def flush(self):
+        calls.append(1)
+        if len(calls) == nth:
+            raise enospc("data")
+        return real(self)
+
+    monkeypatch.setattr(_arrayio.Writer, "flush", flush)
+
+
+def fail_durable_write(monkeypatch: pytest.MonkeyPatch, name_prefix: str) -> None:
+    """Writing a file whose name starts with ``name_prefix`` fails halfway, as on a full disk."""
+    real = _storage.write_durable
+
+    def write(path: Path, data: bytes) -> None:
+        if path.name.startswith(name_prefix):
+            path.write_bytes(data[: len(data) // 2])
+            raise enospc(str(path))
+        real(path, data)
+
+    monkeypatch.setattr(_storage, "write_durable", write)
+
+
+FAILURES = {
+    # the first flush: the only one with the default budget, so in the background for async saves
+    "data, the last flush": lambda mp: fail_writer_flush(mp, 1),
+    # the second of several flushes (a small host memory budget): during save(), with data written
+    "data, an early flush": lambda mp: (mp.setenv("JAXCKPT_HOST_MEMORY_BUDGET", "65536"), fail_writer_flush(mp, 2)),
+    "index.json": lambda mp: fail_durable_write(mp, "index.json"),
+    "state file": lambda mp: fail_durable_write(mp, ".checkpoint.tmp-"),
+}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_failing_writes_change_nothing(tmp_path, monkeypatch, failure, async_save):
+    ckpt = state(0)
+    manager = jaxckpt.CheckpointManager(ckpt, tmp_path, max_to_keep=2, step_counter="step", async_save=async_save)
+    for step in (1, 2, 3):
+        ckpt.step, ckpt.arrays, ckpt.small = step, state(step).arrays, state(step).small
+        manager.save()
+    manager.wait_until_finished()
+    before = Snapshot(tmp_path)
+    kept = manager.checkpoints
+
+    with monkeypatch.context() as mp:
+        FAILURES[failure](mp)
+        ckpt.step, ckpt.arrays, ckpt.small = 4, state(4).arrays, state(4).small
+        with pytest.raises(OSError, match="No space left") as error:
+            manager.save()
+            manager.wait_until_finished()  # an async save reports its failure here
+        assert error.value.errno == errno.ENOSPC
+    # The state file's failure comes after the checkpoint is durable and published: an unlisted
+    # folder, which the next manager removes (and which no listing ever names).
+    unlisted = "ckpt-4" if failure == "state file" else None
+    before.assert_untouched(tmp_path, allow_unlisted=unlisted)
+    assert manager.checkpoints == kept
+
+    # Space is back: the next save works, and retention goes on.
+    ckpt.step, ckpt.arrays, ckpt.small = 5, state(5).arrays, state(5).small
+    latest = manager.save()
+    manager.close()
+    assert jaxckpt.latest_checkpoint(tmp_path) == latest
+    assert [c.step for c in _manager._read_state(str(tmp_path))] == [3, 5]
+    check_step(latest, 5)
+    with jaxckpt.CheckpointManager(state(0), tmp_path, max_to_keep=2):
+        pass  # removes the unlisted folder, if any
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-3", os.path.basename(latest)]
+
+
+# --- a real full disk --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 20 MB tmpfs; skipped where mounting is not allowed (not root, or a container without it)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A file that takes all free space on ``disk`` but ``leave`` bytes."""
+    filler = disk / "filler"
+    stat = os.statvfs(disk)
+    free = stat.f_bavail * stat.f_frsize
+    with open(filler, "wb") as f:
+        f.truncate(0)
+        chunk = b"\xff" * (1 << 20)
+        remaining = max(0, free - leave)
+        while remaining > 0:
+            remaining -= f.write(chunk[: min(len(chunk), remaining)])
+    return filler
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_full_tmpfs(small_disk, async_save):
+    directory = small_disk / "ckpts"
+    ckpt = state(0)
+    manager = jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=2, step_counter="step", async_save=async_save)
+    for step in (1, 2):
+        ckpt.step, ckpt.arrays, ckpt.small = step, state(step).arrays, state(step).small
+        manager.save()
+    manager.wait_until_finished()
+    before = Snapshot(directory)
+
+    filler = fill(small_disk, leave=1 << 20)  # a save needs about 3.6 MB
+    ckpt.step, ckpt.arrays, ckpt.small = 3, state(3).arrays, state(3).small
+    with pytest.raises(Exception) as error:  # whichever layer hits ENOSPC first: TensorStore, or a file write
+        manager.save()
+        manager.wait_until_finished()
+    assert "space" in str(error.value).lower() or getattr(error.value, "errno", None) == errno.ENOSPC, error.value
+    print(f"\nfull tmpfs ({'async' if async_save else 'sync'}): {type(error.value).__name__}: {error.value}")
+    before.assert_untouched(directory)
+
+    filler.unlink()  # space is back
+    latest = manager.save()
+    manager.close()
+    check_step(latest, 3)
+    assert [c.step for c in _manager._read_state(str(directory))] == [2, 3]
+    assert sorted(os.listdir(directory)) == ["checkpoint", "ckpt-2", os.path.basename(latest)]
