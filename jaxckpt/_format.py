@@ -202,8 +202,8 @@ def encode_index(index: Index) -> bytes:
     deepest = _deepest(index.nodes)
     if deepest is not None:
         raise UnsupportedValueError(
-            f"Cannot save {describe(deepest)}: it is nested {_depth(deepest)} levels deep, and jaxckpt restores "
-            f"trees of at most {MAX_DEPTH} levels. Flatten the structure."
+            f"Cannot save the values below {describe(deepest)[:80]}...: they are nested more than {MAX_DEPTH} levels "
+            f"deep, and jaxckpt restores trees of at most {MAX_DEPTH} levels. Flatten the structure."
         )
     body = {
         "format": FORMAT_NAME,

@@ -505,3 +505,20 @@ def test_path_with_dot_dot(tmp_path):
     assert jaxckpt.restore(roundabout)["x"][-1] == 299_999
     jaxckpt.save(tmp_path / "sub" / ".." / "d", {"x": np.ones(300_000, np.float32)})
     assert jaxckpt.load_variable(tmp_path / "d", "x").sum() == 300_000
+
+
+def test_save_refuses_a_tree_too_deep_to_restore(tmp_path):
+    """Restores rebuild trees recursively: a save never writes what the reader would refuse as too deep."""
+    from jaxckpt._format import MAX_DEPTH
+
+    def chain(depth: int) -> Any:
+        tree: Any = np.ones(2, np.float32)
+        for _ in range(depth):
+            tree = {"d": tree}
+        return tree
+
+    deepest_ok = jaxckpt.save(tmp_path / "ok", chain(MAX_DEPTH))
+    assert jaxckpt.restore(deepest_ok, like=chain(MAX_DEPTH)) is not None
+    with pytest.raises(jaxckpt.UnsupportedValueError, match=rf"'d/d/d.*nested more than {MAX_DEPTH} levels"):
+        jaxckpt.save(tmp_path / "deep", chain(MAX_DEPTH + 1))
+    assert sorted(os.listdir(tmp_path)) == ["ok"]
