@@ -232,7 +232,7 @@ def test_kills_during_retention_and_state_file_rewrite(tmp_path):
 
 @pytest.mark.stress
 def test_random_kills_while_saving_stress(tmp_path):
-    random_kills(tmp_path, trials=30, leaves=400, mbytes=200)
+    random_kills(tmp_path, trials=24, leaves=400, mbytes=200)
 
 
 @pytest.mark.stress
