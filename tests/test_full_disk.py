@@ -157,7 +157,6 @@ def fill(disk: Path, leave: int) -> Path:
     stat = os.statvfs(disk)
     free = stat.f_bavail * stat.f_frsize
     with open(filler, "wb") as f:
-        f.truncate(0)
         chunk = b"\xff" * (1 << 20)
         remaining = max(0, free - leave)
         while remaining > 0:

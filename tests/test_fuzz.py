@@ -258,7 +258,7 @@ def _fuzz_index(tmp_path: Path, original: tuple[Path, dict], examples: int) -> N
     template = tree_of_everything()
     outcomes = Outcomes()
 
-    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.data())
     def run(data: st.DataObject) -> None:
         (work / "index.json").write_bytes(index_bytes(data, mutate(data, body)))
