@@ -366,8 +366,7 @@ class CheckpointManager:
         self._clock = clock
         self._async = async_save
         self._background = Background("CheckpointManager")
-        # Before anything that close() undoes: the handler refuses a thread that is not the main one.
-        self._preemption = PreemptionHandler() if save_on_preemption else None
+        self._preemption: PreemptionHandler | None = None
         self._path = _storage.location(directory)
         if self._path.local is not None:
             try:
@@ -396,6 +395,9 @@ class CheckpointManager:
             self._infos: list[CheckpointInfo] = infos
             if self._primary:
                 self._remove_leftovers()
+            # Last, so that a manager that fails to start leaves SIGTERM alone (close() puts it back).
+            if save_on_preemption:
+                self._preemption = PreemptionHandler()
         except BaseException:
             self.close()
             raise

@@ -189,3 +189,31 @@ def test_two_processes_agree_on_the_step_to_save(tmp_path):
         steps.add(int(lines[-1].split()[1]))
     assert len(steps) == 1, f"the processes saved different steps: {steps}"
     _check_saved(directory, steps.pop())
+
+
+@main_thread_only
+def test_a_manager_that_fails_to_start_leaves_sigterm_alone(tmp_path, sigterm_restored):
+    (tmp_path / "checkpoint").write_text("not a state file")
+    with pytest.raises(jaxckpt.CheckpointFormatError):
+        jaxckpt.CheckpointManager(make_ckpt(), tmp_path, save_on_preemption=True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(jaxckpt.CheckpointExistsError):
+        jaxckpt.CheckpointManager(make_ckpt(), tmp_path / "file", save_on_preemption=True)
+    assert signal.getsignal(signal.SIGTERM) is sigterm_restored
+    assert not (tmp_path / "checkpoint.lock").exists()
+
+
+def test_a_manager_in_another_thread_refuses_save_on_preemption(tmp_path):
+    errors = []
+
+    def create():
+        try:
+            jaxckpt.CheckpointManager(make_ckpt(), tmp_path, save_on_preemption=True)
+        except ValueError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=create)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "main thread" in str(errors[0])
+    assert not (tmp_path / "checkpoint.lock").exists()  # the refused manager released its lock
