@@ -60,18 +60,24 @@ def test_close_leaves_a_handler_installed_after_ours_alone(sigterm_restored):
     assert signal.getsignal(signal.SIGTERM) is later
 
 
-def test_handler_refuses_other_threads():
-    errors = []
+def in_another_thread(fn) -> list[BaseException]:
+    """Run ``fn`` in a new thread; the ValueErrors it raised."""
+    errors: list[BaseException] = []
 
-    def create():
+    def run():
         try:
-            jaxckpt.PreemptionHandler()
+            fn()
         except ValueError as e:
             errors.append(e)
 
-    t = threading.Thread(target=create)
+    t = threading.Thread(target=run)
     t.start()
     t.join()
+    return errors
+
+
+def test_handler_refuses_other_threads():
+    errors = in_another_thread(jaxckpt.PreemptionHandler)
     assert len(errors) == 1 and "main thread" in str(errors[0])
 
 
@@ -204,16 +210,6 @@ def test_a_manager_that_fails_to_start_leaves_sigterm_alone(tmp_path, sigterm_re
 
 
 def test_a_manager_in_another_thread_refuses_save_on_preemption(tmp_path):
-    errors = []
-
-    def create():
-        try:
-            jaxckpt.CheckpointManager(make_ckpt(), tmp_path, save_on_preemption=True)
-        except ValueError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=create)
-    t.start()
-    t.join()
+    errors = in_another_thread(lambda: jaxckpt.CheckpointManager(make_ckpt(), tmp_path, save_on_preemption=True))
     assert len(errors) == 1 and "main thread" in str(errors[0])
     assert not (tmp_path / "checkpoint.lock").exists()  # the refused manager released its lock
