@@ -12,6 +12,7 @@ The only module that imports tensorstore. A checkpoint's arrays live in one OCDB
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ PACK_TARGET_BYTES = 256 << 20
 # Chunks of a large array are its shards, split until each is at most this size: small enough that
 # TensorStore checks and copies several at once on different cores, large enough to stay few.
 ARRAY_CHUNK_LIMIT = 8 << 20
+# Bytes of writes started but not yet durable.
+WRITE_AHEAD_BYTES = 256 << 20
 # Byte alignment of buffers we read into, and of leaves inside a pack: on CPU, jax aliases a
 # 64-byte-aligned host buffer instead of copying it.
 ALIGN = 64
@@ -159,13 +162,21 @@ class Writer:
             ts.open({**_spec(self._base, path), "metadata": metadata}, create=True, context=self._context)
             for path, metadata, _ in planned
         ]
-        writes = []
+        in_flight: deque[tuple[int, Any]] = deque()
+        held = 0
         for (_, _, parts), future in zip(planned, opens):
             store = future.result()
-            writes.extend(
-                store[index].write(data, can_reference_source_data_indefinitely=True) for index, data in parts
-            )
-        for w in writes:
+            for index, data in parts:
+                in_flight.append((data.nbytes, store[index].write(data, can_reference_source_data_indefinitely=True)))
+                held += data.nbytes
+                # Bound the bytes in flight: each chunk is encoded (with its checksum) into a buffer of
+                # its own that OCDBT holds until written, so starting every write at once would hold
+                # the checkpoint twice.
+                while held > WRITE_AHEAD_BYTES and len(in_flight) > 1:
+                    size, done = in_flight.popleft()
+                    done.result()
+                    held -= size
+        for _, w in in_flight:
             w.result()
 
 
