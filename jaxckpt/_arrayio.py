@@ -164,20 +164,31 @@ class Writer:
         ]
         in_flight: deque[tuple[int, Any]] = deque()
         held = 0
-        for (_, _, parts), future in zip(planned, opens):
-            store = future.result()
-            for index, data in parts:
-                in_flight.append((data.nbytes, store[index].write(data, can_reference_source_data_indefinitely=True)))
-                held += data.nbytes
-                # Bound the bytes in flight: each chunk is encoded (with its checksum) into a buffer of
-                # its own that OCDBT holds until written, so starting every write at once would hold
-                # the checkpoint twice.
-                while held > WRITE_AHEAD_BYTES and len(in_flight) > 1:
-                    size, done = in_flight.popleft()
-                    done.result()
-                    held -= size
-        for _, w in in_flight:
-            w.result()
+        try:
+            for (_, _, parts), future in zip(planned, opens):
+                store = future.result()
+                for index, data in parts:
+                    write = store[index].write(data, can_reference_source_data_indefinitely=True)
+                    in_flight.append((data.nbytes, write))
+                    held += data.nbytes
+                    # Bound the bytes in flight: each chunk is encoded (with its checksum) into a buffer
+                    # of its own that OCDBT holds until written, so starting every write at once would
+                    # hold the checkpoint twice.
+                    while held > WRITE_AHEAD_BYTES and len(in_flight) > 1:
+                        size, done = in_flight.popleft()
+                        done.result()
+                        held -= size
+            while in_flight:
+                in_flight.popleft()[1].result()
+        except BaseException:
+            # Let every started write settle before the caller removes the folder: one still running
+            # would create files in it again (a full disk fails some writes, not all at once).
+            for future in [*opens, *(w for _, w in in_flight)]:
+                try:
+                    future.result()
+                except Exception:
+                    pass
+            raise
 
 
 def _corrupted(key: str, path: str, error: Exception) -> CheckpointCorruptedError:
