@@ -129,12 +129,7 @@ def floor_write(leaves: list[np.ndarray], path: str, fsync: bool) -> None:
 
 
 def floor_read(spec: dict[str, Any], path: str) -> list[np.ndarray]:
-    out = []
-    with open(path, "rb") as f:
-        for leaf in spec["leaves"]:
-            count = leaf["nbytes"] // np.dtype(leaf["dtype"]).itemsize
-            out.append(np.fromfile(f, dtype=leaf["dtype"], count=count).reshape(leaf["shape"]))
-    return out
+    return wl.read_leaves(spec, path)  # the same reads that load a workload's data
 
 
 def jaxckpt_async_api() -> tuple[Callable[[str, Any], None], Callable[[], None]] | None:

@@ -177,6 +177,16 @@ class _Restore:
         return ckpt._children[name]
 
 
+def _write(background: Background, path: PathLike, root: Any, *, overwrite: bool, blocking: bool) -> str:
+    """Save ``root`` after ``background``'s previous save (raising its error); in the background if asked."""
+    background.wait()
+    if blocking:
+        return _save.write(path, root, overwrite=overwrite)
+    prepared = _save.prepare(path, root, overwrite=overwrite)
+    background.submit(lambda: _save.finish(prepared))
+    return os.fspath(path)
+
+
 class Checkpoint:
     """A graph of named children, saved and restored together.
 
@@ -265,12 +275,7 @@ class Checkpoint:
         as soon as the call returns. The next save, :meth:`wait_until_finished` and :meth:`restore`
         wait for it first and raise its error if it failed.
         """
-        self._background.wait()
-        if blocking:
-            return _save.write(path, self, overwrite=overwrite)
-        prepared = _save.prepare(path, self, overwrite=overwrite)
-        self._background.submit(lambda: _save.finish(prepared))
-        return os.fspath(path)
+        return _write(self._background, path, self, overwrite=overwrite, blocking=blocking)
 
     def wait_until_finished(self) -> None:
         """Block until a background save of this Checkpoint is done; raise its error if it failed."""
@@ -307,12 +312,7 @@ def save(path: PathLike, tree: Any, *, overwrite: bool = False, blocking: bool =
     ``blocking=False``, returns once the values are snapshotted and writes in the background; call
     :func:`wait_until_finished` (``restore`` and the next ``save`` do) before relying on it.
     """
-    _BACKGROUND.wait()
-    if blocking:
-        return _save.write(path, tree, overwrite=overwrite)
-    prepared = _save.prepare(path, tree, overwrite=overwrite)
-    _BACKGROUND.submit(lambda: _save.finish(prepared))
-    return os.fspath(path)
+    return _write(_BACKGROUND, path, tree, overwrite=overwrite, blocking=blocking)
 
 
 def wait_until_finished() -> None:

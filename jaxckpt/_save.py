@@ -161,11 +161,9 @@ def _snapshot(
     save has returned.
     """
     if isinstance(x, jax.Array):
-        mine = {region for region, device in owners.items() if device in x.sharding.addressable_devices}
+        # A shard is written from its owning device; shards here are on this process's devices.
         parts = [
-            (s.index, np.asarray(s.data))
-            for s in x.addressable_shards
-            if owners[_region(s.index, x.shape)] == s.device and _region(s.index, x.shape) in mine
+            (s.index, np.asarray(s.data)) for s in x.addressable_shards if owners[_region(s.index, x.shape)] == s.device
         ]
         return parts, 0 if _on_cpu(x) else sum(d.nbytes for _, d in parts)
     data = np.array(x, copy=True)
