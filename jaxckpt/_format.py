@@ -149,11 +149,19 @@ class InPack:
 
 
 @dataclasses.dataclass(frozen=True)
+class InForeign:
+    """The leaf is in a checkpoint that another library wrote (``jaxckpt._formats``); ``ref`` is
+    what that format's reader needs to find it. Never in an index that jaxckpt writes."""
+
+    ref: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class ArrayLeaf:
     dtype: np.dtype
     shape: tuple[int, ...]
     container: str  # JAX, NUMPY or NUMPY_SCALAR
-    at: InArray | InPack
+    at: InArray | InPack | InForeign
     prng_impl: str | None = None  # typed PRNG keys: dtype/shape are those of the key data
     sharding: str | None = None  # how it was sharded when saved (informational)
 
