@@ -25,7 +25,7 @@ from jaxckpt._errors import (
     UnusedValuesWarning,
 )
 from jaxckpt._format import ValueLeaf
-from jaxckpt._restore import NO_TEMPLATE, Opened
+from jaxckpt._restore import NO_TEMPLATE, ForeignOpened, KeyMap, Opened, mapped, open_checkpoint, open_latest
 from jaxckpt._tree import CHECKPOINT, build, describe, escape_edge, flatten, join, placeholders_message, rebuild
 
 PathLike = str | os.PathLike[str]
@@ -112,6 +112,29 @@ class RestoreStatus:
     def missing_keys(self) -> list[str]:
         """Keys of objects that found no value in the checkpoint."""
         return sorted(self._missing)
+
+    @property
+    def mapped_keys(self) -> dict[str, str]:
+        """With a ``key_map``: each checkpoint key that the map renamed or kept, and the key it became."""
+        source = self._mapped_source()
+        return dict(source.mapped) if source else {}
+
+    @property
+    def dropped_keys(self) -> list[str]:
+        """With a ``key_map``: the checkpoint keys that the map dropped (returned None for)."""
+        source = self._mapped_source()
+        return list(source.dropped) if source else []
+
+    @property
+    def skipped_keys(self) -> list[str]:
+        """Values the checkpoint lists that have no numpy form, so are not restored (a TensorFlow
+        iterator's ``DT_VARIANT`` state, string tensors)."""
+        return sorted(self._opened.skipped) if self._opened else []
+
+    def _mapped_source(self) -> Any:
+        if isinstance(self._opened, ForeignOpened):
+            return getattr(self._opened.checkpoint.reader, "mapped", None) and self._opened.checkpoint.reader
+        return None
 
     def _all_keys(self) -> list[str]:
         return self._opened.index.keys_under("") if self._opened else []
@@ -271,7 +294,7 @@ class _Restore:
             self.run()
         except JaxckptError as e:
             self.jobs.clear()
-            if _storage.is_checkpoint(self.opened.location):
+            if self.opened.exists():
                 raise
             raise CheckpointNotFoundError(
                 f"Cannot restore {describe(key)}, assigned after restore(): its checkpoint {str(self.opened.path)!r} "
@@ -552,17 +575,22 @@ class Checkpoint:
         """Block until a background save of this Checkpoint is done; raise its error if it failed."""
         self._background.wait()
 
-    def restore(self, save_path: PathLike | None) -> RestoreStatus:
+    def restore(self, save_path: PathLike | None, *, key_map: KeyMap | None = None) -> RestoreStatus:
         """Restore values from ``save_path`` into the children; ``None`` restores nothing.
 
         Children are matched by edge name. Values whose edge has no child yet wait, and are restored
-        when the child is assigned. The returned status says what matched.
+        when the child is assigned. The returned status says what matched. ``save_path`` may also be
+        a TensorFlow, Orbax, Flax msgpack or safetensors checkpoint; ``key_map`` renames or changes
+        its values first (see :func:`jaxckpt.restore`), and the status reports what it mapped and
+        dropped.
         """
         self._settle()
         if save_path is None:
             return RestoreStatus(None)
         self._background.wait()
-        opened = Opened(save_path)
+        opened = open_checkpoint(save_path)
+        if key_map is not None:
+            opened = mapped(opened, key_map)
         status = RestoreStatus(opened)
         restore = _Restore(opened, status)
         try:
@@ -597,7 +625,7 @@ def wait_until_finished() -> None:
     _BACKGROUND.wait()
 
 
-def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False) -> Any:
+def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, key_map: KeyMap | None = None) -> Any:
     """Restore the checkpoint at ``path``.
 
     With ``like`` (what you hold now), values come back with its structure, container types, dtypes
@@ -605,6 +633,21 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False) -
     one unless ``partial=True`` (then unmatched leaves of ``like`` keep their values). Without
     ``like``, containers are rebuilt as saved and arrays come back as numpy. ``path`` may be a
     manager's directory: its latest checkpoint.
+
+    ``path`` may also be a checkpoint that another library wrote, recognized from what is on disk: a
+    TensorFlow prefix (``tf_ckpts/ckpt-5``) or its manager's directory, an Orbax checkpoint, item or
+    manager directory, a Flax msgpack file, or a ``.safetensors`` file.
+
+    ``key_map(key, value) -> (new_key, new_value) | None`` is called once for every value of the
+    checkpoint (arrays as numpy) before matching: rename, transpose, reshape or cast it, or return
+    None to drop it. So a Hugging Face or TensorFlow checkpoint loads into an NNX module in one call::
+
+        def hf_to_nnx(key, value):
+            if key.endswith(".weight"):   # torch Linear (out, in) -> NNX kernel (in, out)
+                return key.replace(".", "/").replace("/weight", "/kernel"), value.T
+            return key.replace(".", "/"), value
+
+        jaxckpt.restore("model.safetensors", like=model, key_map=hf_to_nnx, partial=True)
     """
     if path is None:  # what latest_checkpoint returns for a directory without checkpoints
         raise CheckpointNotFoundError(
@@ -612,7 +655,9 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False) -
             "directory holds none; check for None before restoring, or use CheckpointManager.restore_or_initialize()."
         )
     _BACKGROUND.wait()
-    opened = _open(path)
+    opened = open_latest(path)
+    if key_map is not None:
+        opened = mapped(opened, key_map)
     index = opened.index
     if like is NO_TEMPLATE:
         return build(index.nodes, opened.load(dict.fromkeys(index.leaves, NO_TEMPLATE)))
@@ -635,29 +680,15 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False) -
     return rebuild(like, opened.load(wanted))
 
 
-def _open(path: PathLike) -> Opened:
-    """The checkpoint at ``path``; a manager's directory (a state file, no index) means its latest
-    checkpoint, as TensorFlow's ``load_variable`` takes a directory."""
-    if not _storage.is_checkpoint(_storage.location(path)):
-        infos = _statefile.read_state(os.fspath(path))  # None: no state file, so not a manager's directory
-        if infos is not None:
-            if not infos:
-                raise CheckpointNotFoundError(
-                    f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
-                )
-            return Opened(infos[-1].path)
-    return Opened(path)
-
-
 def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:
     """``(key, shape)`` of every value in the checkpoint, sorted by key, without the model code.
 
     Python values and object states have shape ``()``; a PRNG key array has its key shape. ``path``
     may be a manager's directory: its latest checkpoint.
     """
-    index = _open(path).index
-    out = []
-    for key, leaf in index.leaves.items():
+    opened = open_latest(path)
+    out = [(key, entry.shape) for key, entry in opened.skipped.items()]
+    for key, leaf in opened.index.leaves.items():
         if isinstance(leaf, ValueLeaf):
             out.append((key, ()))
         else:
@@ -671,7 +702,7 @@ def load_variable(path: PathLike, key: str) -> Any:
     The key of a node (``"optimizer/opt_state"``, ``"config"``) gives its whole subtree as saved:
     dicts, lists, tuples and namedtuples of those values. ``path`` may be a manager's directory.
     """
-    opened = _open(path)
+    opened = open_latest(path)
     index = opened.index
     if key in index.nodes:
         return build(index.nodes, opened.load(dict.fromkeys(index.keys_under(key), NO_TEMPLATE)), key)

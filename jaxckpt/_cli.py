@@ -6,6 +6,11 @@
     jaxckpt show PATH KEY             one value: dtype, shape, sharding, statistics, the first values
     jaxckpt diff A B [PATTERN ...]    keys added, removed, changed in shape or dtype; values that differ
     jaxckpt verify PATH               read every byte and check every checksum
+    jaxckpt convert SRC DST           into a jaxckpt checkpoint, or into DST.safetensors
+
+Every command reads jaxckpt's own checkpoints and those of TensorFlow (a prefix such as
+``tf_ckpts/ckpt-5``, or its manager's directory), Orbax (a checkpoint, an item, or a manager's
+directory), Flax msgpack and safetensors files; ``ls`` says which format it found.
 
 Also ``python -m jaxckpt``. ``--json`` gives machine-readable output. Where a command wants one
 checkpoint and gets a manager's directory, it takes the directory's latest checkpoint (``verify``
@@ -53,7 +58,7 @@ from jaxckpt._inspect import (
     selected,
 )
 from jaxckpt._progress import Progress, human_bytes
-from jaxckpt._restore import NO_TEMPLATE, Opened
+from jaxckpt._restore import NO_TEMPLATE, Opened, open_latest
 from jaxckpt._statefile import is_manager_directory
 from jaxckpt._tree import describe
 
@@ -579,7 +584,7 @@ def verify(path: str, progress: Progress | None = None) -> Verified:
     """
     result = Verified(path)
     try:
-        opened = Opened(path)
+        opened = open_latest(path)
     except NotACheckpointError as e:
         raise _not_a_checkpoint(path, e) from None
     except UnsupportedVersionError:
@@ -684,10 +689,33 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from jaxckpt._convert import convert
+
+    try:
+        total = sum(v.nbytes for v in open_latest(args.src).index.leaves.values() if isinstance(v, ArrayLeaf))
+    except (JaxckptError, OSError):
+        total = 0  # convert() itself reports why
+    with Progress(total, f"convert {args.src}") as progress:
+        result = convert(args.src, args.dst, overwrite=args.overwrite, on_read=progress.update)
+    if args.json:
+        _print_json(dataclasses.asdict(result))
+        return EXIT_OK
+    print(
+        f"wrote {result.destination}: {result.values} values, {human_bytes(result.nbytes)} "
+        f"from {result.source} ({result.source_format})"
+    )
+    if result.left_out:
+        print(f"left out, {len(result.left_out)}:")
+        for key, why in result.left_out.items():
+            print(f"  {key}: {why}")
+    return EXIT_OK
+
+
 def _leaves_or_empty(path: str) -> list[ArrayLeaf]:
     """The array leaves, for the progress bar's total; errors surface in :func:`verify` itself."""
     try:
-        return [v for v in Opened(path).index.leaves.values() if isinstance(v, ArrayLeaf)]
+        return [v for v in open_latest(path).index.leaves.values() if isinstance(v, ArrayLeaf)]
     except (JaxckptError, OSError):
         return []
 
@@ -698,7 +726,8 @@ def _leaves_or_empty(path: str) -> list[ArrayLeaf]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxckpt",
-        description="Look into, compare and verify jaxckpt checkpoints.",
+        description="Look into, compare, verify and convert checkpoints (jaxckpt's, TensorFlow's, Orbax's, "
+        "Flax msgpack, safetensors).",
         epilog=(
             "Exit status: 0 success; 1 failure (no checkpoint, damage, an unreadable file; for diff: the "
             "checkpoints differ); 2 usage error (for diff: any error). PATH may be a manager's directory: "
@@ -741,6 +770,21 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("path", metavar="PATH")
     v.add_argument("--json", action="store_true", help="print JSON")
     v.set_defaults(func=_cmd_verify, error_status=EXIT_FAILURE)
+
+    c = sub.add_parser(
+        "convert",
+        help="any readable checkpoint into a jaxckpt checkpoint, or into a .safetensors file",
+        description=(
+            "Write SRC (any format jaxckpt reads, or a manager's directory: its latest checkpoint) as a new "
+            "checkpoint at DST: a safetensors file if DST ends in .safetensors, else a jaxckpt checkpoint. "
+            "Arrays are read one at a time; values with no numpy form are left out and listed."
+        ),
+    )
+    c.add_argument("src", metavar="SRC")
+    c.add_argument("dst", metavar="DST")
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.add_argument("--json", action="store_true", help="print JSON")
+    c.set_defaults(func=_cmd_convert, error_status=EXIT_FAILURE)
     return parser
 
 

@@ -30,7 +30,7 @@ from jaxckpt import _statefile, _storage
 from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._progress import human_bytes
-from jaxckpt._restore import NO_TEMPLATE, Opened
+from jaxckpt._restore import NO_TEMPLATE, Opened, open_latest
 from jaxckpt._statefile import is_manager_directory
 from jaxckpt._tree import CHECKPOINT, NodeInfo, build, child_keys, edges_for, join
 
@@ -229,7 +229,9 @@ class CheckpointView:
     def __init__(self, path: PathLike, patterns: Sequence[str] = ()) -> None:
         self.path = os.fspath(path)
         self.patterns = tuple(patterns)
-        self._opened = Opened(path)
+        self._opened: Opened = open_latest(path)  # a foreign manager's directory: its latest checkpoint
+        if self._opened.format != "jaxckpt":
+            self.path = str(self._opened.path)
         self.index: Index = self._opened.index
         match = key_matcher(self.patterns)
         self._tree = _build_tree(self.index, match)
@@ -291,7 +293,19 @@ class CheckpointView:
             text += f" matching {' or '.join(map(repr, self.patterns))}, of {len(self.index.leaves)} in all"
         return text
 
+    @property
+    def format(self) -> str:
+        """The format on disk: ``"jaxckpt"``, or the other library's (``"TensorFlow (tf.train.Checkpoint)"``, ``"Orbax"``)."""
+        return self._opened.format
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Values listed that have no numpy form (TensorFlow iterator state, strings): key -> what it holds."""
+        return {k: f"{e.note} {e.shape}" for k, e in self._opened.skipped.items()}
+
     def _header(self) -> str:
+        if self.format != "jaxckpt":
+            return f"{self.path}  ({self.format} checkpoint, read-only)"
         writer = self.index.metadata.get("writer")
         return f"{self.path}  (jaxckpt checkpoint{f', written by {writer}' if isinstance(writer, str) else ''})"
 
@@ -330,6 +344,9 @@ class CheckpointView:
                 line = f"{name:<{name_w}}  {kind:<{type_w}}  {shape:<{shape_w}}  {size:>{size_w}}"
                 lines.append(line.rstrip())
         lines.append(self.summary())
+        if self.skipped:
+            lines.append(f"not restorable (no numpy form), {len(self.skipped)}:")
+            lines.extend(f"  {k}  {what}" for k, what in self.skipped.items())
         text = "\n".join(lines)
         if ascii:
             text = text.replace("├── ", "|-- ").replace("└── ", "`-- ").replace("│   ", "|   ")
@@ -344,6 +361,8 @@ class CheckpointView:
         return {
             "kind": "checkpoint",
             "path": self.path,
+            "format": self.format,
+            "skipped": self.skipped,
             "metadata": json_value(self.index.metadata),
             "patterns": list(self.patterns),
             "values": len(leaves),

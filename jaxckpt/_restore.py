@@ -13,14 +13,14 @@ import math
 import os
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from jaxckpt import _arrayio, _format, _storage
+from jaxckpt import _arrayio, _format, _formats, _statefile, _storage
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
@@ -41,7 +41,7 @@ from jaxckpt._format import (
     ValueLeaf,
     decode_index,
 )
-from jaxckpt._tree import describe, is_state_object
+from jaxckpt._tree import describe, is_state_object, unescape_edge
 
 NO_TEMPLATE = object()
 # A region to read: its shape, and (data store, region there, where it goes or None) per part.
@@ -256,6 +256,10 @@ def _hashable(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
 class Opened:
     """One checkpoint opened for reading: its index, and batched reads of its values."""
 
+    format = "jaxckpt"  # or the foreign format's name (ForeignOpened)
+    # Values listed that have no numpy form (TensorFlow's iterator state, string tensors): key -> entry
+    skipped: Mapping[str, _formats.Entry] = {}
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.location = _storage.location(path)
         self.path = self.location.local or self.location.text  # how messages name it
@@ -268,32 +272,31 @@ class Opened:
         try:
             return self.index.leaves[key]
         except KeyError:
-            raise MissingKeyError(_missing_key_message(self.index, key, str(self.path))) from None
+            if key in self.skipped:
+                raise UnsupportedValueError(self._missing_key_message(key)) from None
+            raise MissingKeyError(self._missing_key_message(key)) from None
+
+    def _missing_key_message(self, key: str) -> str:
+        import difflib
+
+        what = "checkpoint" if self.format == "jaxckpt" else f"{self.format} checkpoint"
+        if key in self.skipped:
+            entry = self.skipped[key]
+            return (
+                f"The {what} {str(self.path)!r} holds {describe(key)} as {entry.note} of shape {entry.shape}, "
+                "which has no numpy form; jaxckpt lists it and does not restore it."
+            )
+        close = difflib.get_close_matches(key, list(self.index.leaves), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        if key in self.index.nodes:
+            hint = f" It is a node; its leaves include {', '.join(map(repr, self.index.keys_under(key)[:3]))}."
+        return f"The {what} {str(self.path)!r} has no value {describe(key)}.{hint}"
 
     def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         """Values for ``{key: template}``: checked first, then read in one batch."""
         for key, template in wanted.items():
             check(key, self.leaf(key), template)
-        data: dict[str, Any] = {}
-        packed: dict[int, list[str]] = defaultdict(list)
-        arrays: list[str] = []
-        for key in wanted:
-            leaf = self.index.leaves[key]
-            if isinstance(leaf, ArrayLeaf):
-                (packed[leaf.at.pack] if isinstance(leaf.at, InPack) else arrays).append(key)
-        try:
-            targets, plans = self._plan_arrays({k: wanted[k] for k in arrays})
-            needed = {store for plan in plans.values() for _, parts in plan.values() for store, _, _ in parts}
-            self._check_backed([*arrays, *(k for keys in packed.values() for k in keys)], needed)
-            for pack, keys in packed.items():
-                data.update(self._read_packed(pack, keys))
-            data.update(self._read_arrays({k: wanted[k] for k in arrays}, targets, plans))
-        except CheckpointCorruptedError as e:
-            if not _storage.is_checkpoint(self.location):  # not damaged: gone (a manager's retention?)
-                raise CheckpointNotFoundError(
-                    f"The checkpoint {str(self.path)!r} was deleted while it was being read: {e}"
-                ) from e
-            raise
+        data = self._read(wanted)
         out: dict[str, Any] = {}
         to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding]] = []
         for key, template in wanted.items():
@@ -313,6 +316,35 @@ class Opened:
             arrays = jax.device_put([v for _, v, _ in to_device], [s for _, _, s in to_device])
             out.update(zip([k for k, _, _ in to_device], arrays))
         return {key: out[key] for key in wanted}
+
+    def exists(self) -> bool:
+        """Whether the checkpoint is still there (a failed read may mean it was deleted meanwhile)."""
+        return _storage.is_checkpoint(self.location)
+
+    def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
+        """The data of the array leaves among ``wanted``: host numpy, or jax.Arrays already placed
+        as their templates want."""
+        packed: dict[int, list[str]] = defaultdict(list)
+        arrays: list[str] = []
+        for key in wanted:
+            leaf = self.index.leaves[key]
+            if isinstance(leaf, ArrayLeaf):
+                (packed[leaf.at.pack] if isinstance(leaf.at, InPack) else arrays).append(key)
+        data: dict[str, Any] = {}
+        try:
+            targets, plans = self._plan_arrays({k: wanted[k] for k in arrays})
+            needed = {store for plan in plans.values() for _, parts in plan.values() for store, _, _ in parts}
+            self._check_backed([*arrays, *(k for keys in packed.values() for k in keys)], needed)
+            for pack, keys in packed.items():
+                data.update(self._read_packed(pack, keys))
+            data.update(self._read_arrays({k: wanted[k] for k in arrays}, targets, plans))
+        except CheckpointCorruptedError as e:
+            if not self.exists():  # not damaged: gone (a manager's retention?)
+                raise CheckpointNotFoundError(
+                    f"The checkpoint {str(self.path)!r} was deleted while it was being read: {e}"
+                ) from e
+            raise
+        return data
 
     @property
     def stores_opened(self) -> list[str]:
@@ -559,11 +591,175 @@ class _Assembly:
         return self._out
 
 
-def _missing_key_message(index: Index, key: str, path: str) -> str:
-    import difflib
+class ForeignOpened(Opened):
+    """A checkpoint that another library wrote (``jaxckpt._formats``), read through the same calls.
 
-    close = difflib.get_close_matches(key, list(index.leaves), n=3, cutoff=0.5)
-    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-    if key in index.nodes:
-        hint = f" It is a node; its leaves include {', '.join(map(repr, index.keys_under(key)[:3]))}."
-    return f"The checkpoint {path!r} has no value {describe(key)}.{hint}"
+    Values are read whole, then placed as their templates want, as for jaxckpt's own checkpoints.
+    """
+
+    def __init__(self, checkpoint: _formats.ForeignCheckpoint) -> None:
+        self.checkpoint = checkpoint
+        self.format = checkpoint.name
+        self.skipped = checkpoint.skipped
+        self.path = checkpoint.path
+        self.location = _storage.location(checkpoint.path)
+        self.index = checkpoint.index
+        self._read_keys: set[str] = set()
+
+    def exists(self) -> bool:
+        return os.path.exists(self.path) or os.path.exists(self.path + ".index")
+
+    def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key in wanted:
+            if isinstance(self.index.leaves[key], ArrayLeaf):
+                out[key] = self.checkpoint.read(key)
+                self._read_keys.add(key)
+        return out
+
+    @property
+    def stores_opened(self) -> list[str]:
+        return []
+
+    def read_regions(self, wanted: Mapping[str, list[tuple[slice, ...]]]) -> dict[str, list[np.ndarray]]:
+        return {key: [self.checkpoint.read(key)[index] for index in regions] for key, regions in wanted.items()}
+
+    def read_pieces(self, key: str, budget: int) -> Iterator[np.ndarray]:
+        leaf = self.leaf(key)
+        if not isinstance(leaf, ArrayLeaf):
+            raise ValueError(f"{describe(key)} is not an array")
+        data = self.checkpoint.read(key)  # foreign formats are read whole; then handed on in pieces
+        for index in _pieces(leaf.shape, leaf.dtype.itemsize, budget):
+            yield data[index]
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Opened:
+    """The checkpoint at ``path``, in whichever format is on disk: jaxckpt's own (a folder with an
+    index), or a TensorFlow, Orbax, Flax msgpack or safetensors checkpoint (local paths)."""
+    location = _storage.location(path)
+    if location.local is not None and not _storage.is_checkpoint(location):
+        module = _formats.detect(location.local)
+        if module is not None:
+            return ForeignOpened(_formats.ForeignCheckpoint(module.open(str(location.local))))
+    return Opened(path)
+
+
+KeyMap = Callable[[str, Any], "tuple[str, Any] | None"]
+
+
+class _Mapped:
+    """A checkpoint seen through a user's ``key_map``: a :class:`~jaxckpt._formats.Foreign` reader
+    whose values are the source's, each read once and renamed, changed or dropped by the function."""
+
+    def __init__(self, opened: Opened, key_map: KeyMap) -> None:
+        self.name, self.path = opened.format, str(opened.path)
+        self.mapped: dict[str, str] = {}  # source key -> key it became
+        self.dropped: list[str] = []
+        self._entries: list[_formats.Entry] = []
+        self._values: dict[str, np.ndarray] = {}
+        source = opened.index.keys_under("")
+        values = opened.load(dict.fromkeys(source, NO_TEMPLATE))
+        became: dict[str, str] = {}  # new key -> source key, to name both in a collision
+        for key in source:
+            value = values.pop(key)  # each value is held once: either dropped here or kept as mapped
+            result = key_map(key, value)
+            if result is None:
+                self.dropped.append(key)
+                continue
+            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], str) and result[0]):
+                raise TypeError(
+                    f"key_map({key!r}, value) returned {type(result).__name__} {result!r:.80}; it must return "
+                    "(new_key, new_value) with a non-empty str key, or None to drop the value."
+                )
+            new_key, new_value = result
+            if new_key in became:
+                raise ValueError(
+                    f"key_map maps both {became[new_key]!r} and {key!r} to {new_key!r}; each key may receive one value."
+                )
+            became[new_key] = key
+            self.mapped[key] = new_key
+            self._entries.append(
+                _formats.Entry(tuple(unescape_edge(e) for e in new_key.split("/")), self._leaf(new_key, new_value))
+            )
+
+    def _leaf(self, key: str, value: Any) -> Leaf:
+        if value is None:
+            return ValueLeaf("none", None)
+        if type(value) in SCALAR_TYPES.values():
+            return ValueLeaf(type(value).__name__, value)
+        impl = None
+        if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            impl, value = str(jax.random.key_impl(value)), jax.random.key_data(value)  # stored as key data
+        data = np.asarray(value)
+        self._values[key] = data
+        return ArrayLeaf(data.dtype, data.shape, _format.NUMPY, _format.InForeign(key), impl)
+
+    def entries(self) -> list[_formats.Entry]:
+        return self._entries
+
+    def read(self, key: str, leaf: ArrayLeaf) -> np.ndarray:
+        return self._values[leaf.at.ref]
+
+
+def mapped(opened: Opened, key_map: KeyMap) -> ForeignOpened:
+    """``opened`` with its keys and values as ``key_map`` makes them (see :func:`jaxckpt.restore`)."""
+    view = ForeignOpened(_formats.ForeignCheckpoint(_Mapped(opened, key_map)))
+    view.skipped = opened.skipped
+    return view
+
+
+def open_latest(path: str | os.str | os.PathLike[str][str]) -> Opened:
+    """The checkpoint at ``path``; a manager's directory (a state file, no index) means its latest
+    checkpoint, as TensorFlow's ``load_variable`` takes a directory. So does a directory that
+    TensorFlow's, Orbax's or Flax's manager keeps."""
+    location = _storage.location(path)
+    if not _storage.is_checkpoint(location):
+        infos = _statefile.read_state(os.fspath(path))  # None: no state file, so not a manager's directory
+        if infos is not None:
+            if not infos:
+                raise CheckpointNotFoundError(
+                    f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
+                )
+            return Opened(infos[-1].path)
+        foreign = _foreign_manager(location)
+        if foreign is not None:
+            module, latest = foreign
+            if latest is None:
+                raise CheckpointNotFoundError(
+                    f"{os.fspath(path)!r} is a {module.NAME} manager's directory with no complete checkpoint in it."
+                )
+            return open_checkpoint(latest)
+    return open_checkpoint(path)
+
+
+def _foreign_manager(location: _storage.Location) -> tuple[Any, str | None] | None:
+    """(format module, its latest checkpoint or None) if a foreign format's manager keeps the folder."""
+    if location.local is None or _formats.detect(location.local) is not None:
+        return None  # an Orbax step folder is one checkpoint, not a manager's directory
+    module = _formats.manager_of(location.local)
+    return None if module is None else (module, module.latest(str(location.local)))
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The latest checkpoint in ``directory``, or None if it holds none.
+
+    For a :class:`~jaxckpt.CheckpointManager`'s directory it reads only the state file (no lock
+    needed: it is replaced atomically)::
+
+        path = jaxckpt.latest_checkpoint("ckpts")   # "ckpts/ckpt-10"
+        if path is not None:
+            ckpt.restore(path)
+
+    It sees what is recorded on disk now: a manager's asynchronous ``save()`` records its checkpoint
+    in the background, so right after ``save()`` returns this may still name the previous one. Call
+    ``manager.wait_until_finished()`` first, or ask the manager (``manager.latest_checkpoint`` waits).
+
+    It also reads the directories that other libraries' managers keep: TensorFlow's (its
+    ``checkpoint`` file: ``".../tf_ckpts/ckpt-5"``), Orbax's (the newest finished step folder) and
+    ``flax.training.checkpoints``' (the newest ``checkpoint_<step>`` file).
+    """
+    found = _statefile.latest_checkpoint(directory)
+    if found is not None or _statefile.read_state(os.fspath(directory)) is not None:
+        return found
+    foreign = _foreign_manager(_storage.location(directory))
+    return None if foreign is None else foreign[1]

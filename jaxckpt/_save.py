@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -249,6 +250,16 @@ def _snapshot(
     return [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
 
 
+class Deferred:
+    """An array that a save reads only when it reaches it (``jaxckpt convert``): a value of another
+    checkpoint, so that converting holds about one array at a time, not the whole checkpoint."""
+
+    __slots__ = ("dtype", "read", "shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, read: Callable[[], np.ndarray]) -> None:
+        self.shape, self.dtype, self.read = shape, dtype, read
+
+
 def host_memory_budget() -> int:
     """Bytes of snapshot copies a save may hold before it writes some out (``JAXCKPT_HOST_MEMORY_BUDGET``)."""
     configured = os.environ.get("JAXCKPT_HOST_MEMORY_BUDGET")
@@ -274,12 +285,13 @@ class Prepared:
     packer: _Packer
 
 
-def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False) -> Prepared:
+def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False, budget: int | None = None) -> Prepared:
     """The blocking part of a save: check the destination, record every leaf, snapshot array data.
 
     Every process of a multi-process run calls it alike; each snapshots the regions it owns. When
     the snapshot's copies outgrow the host memory budget, what is recorded so far is written out
-    first, so a state larger than the budget costs a longer call, not more memory.
+    first, so a state larger than the budget costs a longer call, not more memory. ``budget``
+    overrides :func:`host_memory_budget`.
     """
     dest = _storage.location(path)
     _storage.check_writable(dest, overwrite)
@@ -302,9 +314,13 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False)
         writer = _arrayio.Writer((staging / data_store(me)).spec())
         packer = _Packer()
         leaves: dict[str, Leaf] = {}
-        budget, held, arrays = host_memory_budget(), 0, 0
+        budget = host_memory_budget() if budget is None else budget
+        held, arrays = 0, 0
         meshes: dict[int, tuple[Any, MeshRecord]] = {}
         for key, x in flat.leaves.items():
+            fresh = isinstance(x, Deferred)
+            if fresh:  # read only now; no one else holds it, so it needs no snapshot copy
+                x = _checked_read(key, x)
             value = _value_leaf(key, x)
             if value is not None:
                 leaves[key] = value
@@ -337,7 +353,10 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False)
                 chunks = tuple(_arrayio.chunk_shape(record.shape, shards, record.dtype.itemsize))
                 at = InArray(f"a/{arrays}", _arrayio.stored_dtype(record.dtype), regions, chunks, layout)
                 arrays += 1
-                parts, copied = _snapshot(data, owners) if me in by_process else ([], 0)
+                if fresh:
+                    parts, copied = [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
+                else:
+                    parts, copied = _snapshot(data, owners) if me in by_process else ([], 0)
                 writer.add_array(at.path, record.shape, record.dtype, chunks, parts)
                 held += copied
             leaves[key] = ArrayLeaf(record.dtype, record.shape, record.container, at, record.prng_impl, record.sharding)
@@ -379,6 +398,16 @@ def finish(p: Prepared) -> str:
     return p.path
 
 
-def write(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False) -> str:
+def write(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False, budget: int | None = None) -> str:
     """Saves ``root`` as a new checkpoint at ``path``; returns ``path``."""
-    return finish(prepare(path, root, overwrite=overwrite))
+    return finish(prepare(path, root, overwrite=overwrite, budget=budget))
+
+
+def _checked_read(key: str, x: Deferred) -> np.ndarray:
+    data = x.read()
+    if data.shape != x.shape or data.dtype != x.dtype:
+        raise UnsupportedValueError(
+            f"Cannot save {describe(key)}: its source gave a {data.dtype} array of shape {data.shape}, "
+            f"where {x.dtype} of shape {x.shape} was announced."
+        )
+    return data

@@ -71,6 +71,13 @@ def escape_edge(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
 
+def unescape_edge(edge: str) -> str:
+    """The name an escaped edge stands for (the inverse of :func:`escape_edge`)."""
+    if edge == "~e":
+        return ""
+    return edge.replace("~1", "/").replace("~0", "~")
+
+
 def edges_for(keys: Sequence[str | int]) -> list[str]:
     """The edge names of a node's children, given their original keys."""
     strs = {k for k in keys if isinstance(k, str)}
