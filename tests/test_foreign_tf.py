@@ -149,6 +149,17 @@ def test_latest_in_a_manager_directory() -> None:
     assert not tf_format.manages(str(GOLDEN))
 
 
+def test_the_state_file_names_checkpoints_relative_to_its_directory() -> None:
+    # The fixtures' `checkpoint` files hold relative names, so these tests pass wherever the repo is.
+    for directory in ("tf1", "tf1/sharded", "tf2/tf_ckpts", "tf2_slots"):
+        text = (GOLDEN / directory / "checkpoint").read_text()
+        assert "model_checkpoint_path" in text and "/work" not in text and '"/' not in text
+
+
+def test_c_escapes_in_the_state_file() -> None:
+    assert tf_format._c_unescape(rb"a\"b\\c\101\x42\n") == b'a"b\\cAB\n'
+
+
 def test_latest_follows_tensorflow_state_file_rules(tmp_path: Path) -> None:
     shutil.copy(GOLDEN / "tf1" / "model.ckpt-42.index", tmp_path / 'odd "name".index')
     (tmp_path / "checkpoint").write_text(
@@ -205,6 +216,18 @@ def test_a_truncated_shard_is_refused_before_reading(tmp_path: Path) -> None:
         checkpoint.read("dense/kernel")
 
 
+def test_a_tf2_checkpoint_with_a_missing_shard_still_lists(tmp_path: Path) -> None:
+    for path in (GOLDEN / "tf2" / "tf_ckpts").glob("ckpt-5.index"):
+        shutil.copy(path, tmp_path / path.name)
+    reader = tf_format.open(str(tmp_path / "ckpt-5"))
+    checkpoint = ForeignCheckpoint(reader)
+    assert "net/l1/bias" in checkpoint.index.leaves
+    with pytest.raises(CheckpointCorruptedError, match=r"'net/l1/bias'.*ckpt-5\.data-00000-of-00001.*missing"):
+        checkpoint.read("net/l1/bias")
+    with pytest.raises(CheckpointCorruptedError, match="_CHECKPOINTABLE_OBJECT_GRAPH"):
+        reader.objects  # noqa: B018 - read on first use
+
+
 def test_a_missing_shard_is_named(tmp_path: Path) -> None:
     prefix = copy_tf1(tmp_path)
     os.remove(prefix + ".data-00000-of-00001")
@@ -240,10 +263,15 @@ def field(number: int, value: int | bytes) -> bytes:
     return varint(number << 3) + varint(value)
 
 
-def entry_proto(dtype: int, shape: tuple[int, ...], size: int, crc: int = 0, shard: int = 0) -> bytes:
+def entry_proto(
+    dtype: int, shape: tuple[int, ...], size: int, crc: int = 0, shard: int = 0, offset: int = 0, slices: tuple = ()
+) -> bytes:
     dims = b"".join(field(2, field(1, d)) for d in shape)
     crc_field = varint(6 << 3 | 5) + crc.to_bytes(4, "little")
-    return field(1, dtype) + field(2, dims) + field(3, shard) + field(4, 0) + field(5, size) + crc_field
+    out = field(1, dtype) + field(2, dims) + field(3, shard) + field(4, offset) + field(5, size) + crc_field
+    for extents in slices:  # TensorSliceProto: an Extent per dim, empty for a whole dim
+        out += field(7, b"".join(field(1, b"" if n < 0 else field(1, s) + field(2, n)) for s, n in extents))
+    return out
 
 
 def block(entries: list[tuple[bytes, bytes]], kind: int = 0) -> bytes:
@@ -254,6 +282,7 @@ def block(entries: list[tuple[bytes, bytes]], kind: int = 0) -> bytes:
 
 
 def write_index(path: Path, entries: list[tuple[bytes, bytes]], kind: int = 0) -> None:
+    entries = sorted(entries)  # a table's keys are in order
     data = block(entries, kind)
     meta = block([])
     handle = varint(0) + varint(len(data) - 5)
@@ -320,3 +349,34 @@ def test_a_newer_bundle_version_is_refused(tmp_path: Path) -> None:
     write_index(tmp_path / "c.index", [newer])
     with pytest.raises(UnsupportedVersionError, match="version 5"):
         tf_format.open(str(tmp_path / "c"))
+
+
+def partitioned(tmp_path: Path, pieces: list[tuple[tuple[int, int], ...]], listed: list | None = None) -> str:
+    """A float32 (4, 3) variable "p" stored as ``pieces`` (extents of dim 0; dim 1 whole)."""
+    full = np.arange(12, dtype=np.float32).reshape(4, 3)
+    data, entries = b"", [header()]
+    for start, length in pieces:
+        piece = full[start : start + length].tobytes()
+        crc = tf_format.mask_crc(google_crc32c.value(piece))
+        key = tf_format.encode_tensor_name_slice("p", ((start, length), (0, -1)))
+        entries.append((key, entry_proto(1, (length, 3), len(piece), crc, offset=len(data))))
+        data += piece
+    slices = [((s, n), (0, -1)) for s, n in (pieces if listed is None else listed)]
+    entries.append((b"p", entry_proto(1, (4, 3), 0, slices=tuple(slices))))
+    write_index(tmp_path / "c.index", entries)
+    (tmp_path / "c.data-00000-of-00001").write_bytes(data)
+    return str(tmp_path / "c")
+
+
+def test_crafted_partitions(tmp_path: Path) -> None:
+    checkpoint = ForeignCheckpoint(tf_format.open(partitioned(tmp_path, [(0, 1), (1, 3)])))
+    assert list(checkpoint.index.leaves) == ["p"]
+    assert np.array_equal(checkpoint.read("p"), np.arange(12, dtype=np.float32).reshape(4, 3))
+    with pytest.raises(CheckpointFormatError, match=r"'p' has 12 elements, but its slices hold 9"):
+        tf_format.open(partitioned(tmp_path, [(0, 1), (2, 2)]))
+    with pytest.raises(CheckpointFormatError, match=r"its slice .* is not in the index"):
+        tf_format.open(partitioned(tmp_path, [(0, 2)], listed=[(0, 2), (2, 2)]))
+    with pytest.raises(CheckpointFormatError, match=r"its slice .* is outside it"):
+        tf_format.open(partitioned(tmp_path, [(0, 2), (2, 2)], listed=[(0, 2), (2, 3)]))
+    with pytest.raises(CheckpointFormatError, match="overlapping slices"):
+        ForeignCheckpoint(tf_format.open(partitioned(tmp_path, [(0, 2), (1, 2)], listed=[(0, 2), (1, 2)]))).read("p")

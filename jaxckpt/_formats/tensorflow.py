@@ -24,6 +24,7 @@ keys made by ``EncodeTensorNameSlice``; those slice entries are not listed.
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 import os
 import re
@@ -103,7 +104,7 @@ class _Malformed(Exception):
 def _varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
     """The unsigned varint at ``pos`` (at most 10 bytes, never past ``end``) and the position after it."""
     result = shift = 0
-    for i in range(10):
+    for _ in range(10):
         if pos >= end:
             raise _Malformed("a varint runs past the end of its bytes")
         byte = buf[pos]
@@ -114,7 +115,6 @@ def _varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
                 raise _Malformed("a varint is longer than 64 bits")
             return result, pos
         shift += 7
-        del i
     raise _Malformed("a varint is longer than 10 bytes")
 
 
@@ -392,7 +392,6 @@ class Reader:
         self.name = (
             "TensorFlow (tf.train.Checkpoint)" if OBJECT_GRAPH_KEY in self._entries else "TensorFlow (tf1 Saver)"
         )
-        self.objects: list[str] = self._objects() if OBJECT_GRAPH_KEY in self._entries else []
 
     def _fail(self, message: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{self.index_path!r}: {message}")
@@ -557,9 +556,14 @@ class Reader:
         array = np.frombuffer(buf, dtype).reshape(entry.shape)
         return array.byteswap() if sys.byteorder == "big" else array
 
-    def _objects(self) -> list[str]:
-        """The paths of the objects a tf.train.Checkpoint tracked, from its object graph."""
-        entry = self._entries[OBJECT_GRAPH_KEY]
+    @functools.cached_property
+    def objects(self) -> list[str]:
+        """The paths of the objects a tf.train.Checkpoint tracked (``net``, ``net/l1``,
+        ``optimizer``, its variables too), breadth first from its object graph; [] for TF1.
+        Read when first asked for, so that listing a checkpoint with a damaged shard still works."""
+        entry = self._entries.get(OBJECT_GRAPH_KEY)
+        if entry is None:
+            return []
         if entry.dtype != 7 or entry.shape != ():
             raise self._fail(f"{OBJECT_GRAPH_KEY} is not a scalar string (dtype {entry.dtype}, shape {entry.shape})")
         if entry.shard_id >= self.num_shards:

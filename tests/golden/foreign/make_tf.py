@@ -160,8 +160,9 @@ def make_tf1() -> None:
         with tf.device("/cpu:1"):
             v1.get_variable("other_device", initializer=np.arange(6, dtype=np.int32).reshape(2, 3))
         assign = v1.assign(step, 42)
-        saver = v1.train.Saver()
-        sharded = v1.train.Saver(sharded=True)
+        # Relative names in the `checkpoint` file, so the fixtures read the same wherever they are.
+        saver = v1.train.Saver(save_relative_paths=True)
+        sharded = v1.train.Saver(sharded=True, save_relative_paths=True)
         config = v1.ConfigProto(device_count={"CPU": 2})
         with v1.Session(graph=graph, config=config) as sess:
             sess.run(v1.global_variables_initializer())
