@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._errors import CheckpointCorruptedError, JaxckptError, StorageError
+from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, JaxckptError, StorageError
 from jaxckpt._tree import describe
 
 # Leaves up to this many bytes are packed; larger ones get a zarr3 array of their own.
@@ -410,3 +410,51 @@ def resolve(pending: Any) -> np.ndarray:
     except Exception as e:
         raise failure(_name(key, path), e) from e
     return buffer[0] if buffer else result
+
+
+# --- foreign arrays: zarr arrays that another library wrote (jaxckpt._formats) ---------------------
+#
+# The readers of other formats build TensorStore specs (plain dicts) themselves and check every
+# field they pass; these functions only run them, and name what failed by ``what`` (the key, the
+# file): a missing or damaged chunk is CheckpointCorruptedError, a refusing storage StorageError.
+
+
+def read_foreign_file(base: dict[str, Any], key: str, limit: int, what: str) -> bytes | None:
+    """The value at ``key`` under kvstore ``base`` (None if there is none), refused with
+    CheckpointFormatError if it is over ``limit`` bytes: only the byte past the limit is fetched
+    before that is known, so a crafted huge file costs nothing."""
+    try:
+        store = _kv(base)
+        try:
+            beyond = store.read(key, byte_range=slice(limit, limit + 1)).result()
+        except Exception as e:
+            if status_code(e) != "OUT_OF_RANGE":  # OUT_OF_RANGE: shorter than the limit
+                raise
+        else:
+            if beyond.state == "missing":
+                return None
+            if beyond.value:
+                raise CheckpointFormatError(f"{what} is larger than {limit} bytes: it is damaged or crafted.")
+        result = store.read(key).result()
+    except Exception as e:
+        raise failure(what, e) from e
+    return bytes(result.value) if result.state == "value" else None
+
+
+def open_foreign_array(spec: dict[str, Any], what: str) -> ts.TensorStore:
+    """Open (never create) the array of ``spec``; its metadata must match the constraints in it."""
+    try:
+        return ts.open(spec, open=True, context=_context()).result()
+    except Exception as e:
+        raise failure(what, e) from e
+
+
+def read_foreign(store: ts.TensorStore, dtype: np.dtype, what: str) -> np.ndarray:
+    """The whole array of ``store``, in a fresh aligned buffer of ``dtype`` (the numpy dtype of the
+    store's: ml_dtypes' ``bfloat16`` for its ``bfloat16``, which ``store.dtype.numpy_dtype`` is not)."""
+    buffer = aligned_empty(store.shape, dtype)
+    try:
+        ts.array(buffer).write(store).result()
+    except Exception as e:
+        raise failure(what, e) from e
+    return buffer

@@ -1,21 +1,526 @@
-"""Placeholder: the orbax reader is being written (issue 13)."""
+"""Reading Orbax checkpoints (``orbax.checkpoint``), without Orbax: metadata as JSON, arrays through TensorStore.
+
+What is read
+    A PyTree item (``StandardCheckpointer``, ``PyTreeCheckpointer``, a ``StandardSave`` /
+    ``PyTreeSave`` item of a ``CheckpointManager`` step): its ``_METADATA`` (JSON: for every leaf
+    its tree path, as dict keys and sequence indices, and its value type) and, for each array, the
+    zarr array that TensorStore wrote under the leaf's Orbax name (tree path joined by ``.``):
+    in one OCDBT database (``manifest.ocdbt`` with its ``ocdbt.process_*`` databases; the default
+    since Orbax 0.5) or as a folder per array; zarr v2 (``.zarray``, the default) or zarr3
+    (``zarr.json``, ``use_zarr3=True``). Arrays that were sharded over many devices are stored
+    whole by TensorStore (one zarr chunk per shard), so they are read whole here on any number of
+    devices, as plain numpy arrays. ``bfloat16`` and the other ml_dtypes types come back as such.
+
+    Python scalars (value type ``scalar``), strings (``_strings.json``) and ``None`` are
+    ``ValueLeaf`` records; numpy and jax arrays, 0-d ones included, are ``ArrayLeaf`` records.
+
+    A JSON item (``JsonSave``; the file ``metadata`` in its folder): its values, a dict becoming
+    nested keys (lists too, with their indices as edges).
+
+    A step folder of Composite items (``run/30``): every item, its keys prefixed by the item's name
+    (``state/params/w``, ``meta/step``); items are those that ``_CHECKPOINT_METADATA`` names, or
+    without it the subfolders that hold a PyTree or JSON item.
+
+    Tested against checkpoints written by Orbax 0.12.8 (jax 0.10.2, TensorStore 0.1.86); the layout
+    has been the same since Orbax added ``_METADATA`` with ``key_metadata`` (0.5, 2024).
+
+What is not read
+    Checkpoints without ``_METADATA`` (Orbax before 0.5 kept the tree in a msgpack file
+    ``checkpoint``): refused with a CheckpointFormatError that says so. Items of other handlers
+    (``ArrayCheckpointHandler``, ``ProtoCheckpointHandler``, custom ones), leaves of custom
+    ``TypeHandler`` value types, placeholders and empty containers are listed as skipped with what
+    they are. Only checkpoints on a local file system (paths, not ``gs://`` URLs).
+
+What is checked (a checkpoint is untrusted input)
+    ``_METADATA``, ``_CHECKPOINT_METADATA``, JSON items, ``_strings.json`` and every ``.zarray`` /
+    ``zarr.json`` are read with a size limit and must parse; every field used is type-checked and
+    leaf names may not leave the checkpoint's folder. A zarr array may only use what Orbax writes:
+    a numeric dtype that jaxckpt knows, C order, no filters, no compressor or zstd / gzip / zlib /
+    blosc (zarr v2), the ``bytes`` / ``zstd`` / ``gzip`` / ``blosc`` / ``crc32c`` codecs, possibly
+    inside one ``sharding_indexed`` codec (zarr3); its rank is at most 64, its size at most 1 TiB,
+    each chunk at most the array's shape; a ``write_shape`` in ``_METADATA`` must fit the array, and
+    a ``scalar`` leaf must be 0-d. The array is then opened with that very metadata as TensorStore
+    constraints, and TensorStore's view (shape, dtype) must equal it before a byte is read; so
+    memory is only ever allocated for the array that the metadata declares.
+
+    Not checked: chunk contents. zarr v2 chunks carry no checksum, so a chunk whose compressed bytes
+    were altered into other valid compressed bytes reads as wrong values. TensorStore does refuse a
+    chunk that does not decompress, or decompresses to the wrong size, and checks the crc32c of a
+    zarr3 shard index; a missing chunk is CheckpointCorruptedError when ``_METADATA`` says that
+    every chunk was stored (``store_array_data_equal_to_fill_value``, Orbax 0.6 and later), and
+    reads as the fill value otherwise, as Orbax does.
+"""
 
 from __future__ import annotations
 
-NAME = "orbax"
+import builtins
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from jaxckpt import _arrayio
+from jaxckpt._errors import (
+    CheckpointCorruptedError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    StorageError,
+)
+from jaxckpt._format import DTYPES, MAX_DEPTH, MAX_RANK, NUMPY, ArrayLeaf, InForeign, ValueLeaf
+from jaxckpt._formats import Entry
+
+NAME = "Orbax"
+
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # a step or checkpoint folder: handlers, timestamps
+TREE_METADATA = "_METADATA"  # a PyTree item: its tree and value types
+JSON_ITEM_FILE = "metadata"  # what JsonCheckpointHandler writes
+STRINGS_FILE = "_strings.json"  # StringHandler: every str leaf of an item, by name
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # a folder still being written (Orbax renames it when done)
+
+# Size limits of the JSON files read whole: far above what real checkpoints hold (_METADATA takes
+# about 300 bytes a leaf), low enough that a crafted file cannot exhaust memory.
+METADATA_LIMIT = 256 << 20
+ZARR_METADATA_LIMIT = 1 << 20
+MAX_ARRAY_BYTES = 1 << 40
+
+_STEP = re.compile(r"^(?:[^/]*_)?([0-9]{1,18})$")  # "30", or "checkpoint_30" with a step_prefix
+_ZARR2_COMPRESSORS = frozenset({"zstd", "gzip", "zlib", "blosc"})
+_ZARR3_CODECS = frozenset({"bytes", "zstd", "gzip", "blosc", "crc32c"})
+_ZARR2_FIELDS = frozenset(
+    {"zarr_format", "shape", "chunks", "dtype", "compressor", "fill_value", "order", "filters", "dimension_separator"}
+)
+_ZARR3_FIELDS = frozenset(
+    {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs", "fill_value"}
+    | {"attributes", "dimension_names", "storage_transformers"}
+)
+_ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
+_EMPTY_TYPES = {"Dict": "empty dict", "List": "empty list", "Tuple": "empty tuple", "NamedTuple": "empty namedtuple"}
+_EMPTY_TYPES["Unknown"] = "empty container of an unknown type"
+
+
+# --- finding checkpoints: names only --------------------------------------------------------------
+
+
+def _names(path: str) -> set[str]:
+    try:
+        return set(os.listdir(path))
+    except OSError:
+        return set()
+
+
+def _is_item(names: set[str]) -> bool:
+    """A PyTree item's folder. ``manifest.ocdbt`` alone is not enough: a jaxckpt data store is an
+    OCDBT database too, but never has the per-process databases that Orbax writes beside it."""
+    if TREE_METADATA in names or "_sharding" in names:
+        return True
+    return "manifest.ocdbt" in names and any(n.startswith("ocdbt.process_") for n in names)
 
 
 def detect(path: str) -> bool:
+    """An Orbax item, or a step folder of Composite items; never a jaxckpt checkpoint."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return False
+    names = _names(path)
+    if "index.json" in names:
+        return False
+    if _is_item(names) or CHECKPOINT_METADATA in names:
+        return True
+    # A step folder written without _CHECKPOINT_METADATA: look at a few of its subfolders.
+    for name in sorted(names)[:64]:
+        sub = os.path.join(path, name)
+        if os.path.isdir(sub) and _is_item(_names(sub)):
+            return True
     return False
+
+
+def _steps(directory: str) -> list[tuple[int, str]]:
+    """(step, folder) of each finished step folder: Orbax writes a step under a temporary name and
+    renames it when done (on local file systems; that rename is what Orbax checks), so a name with
+    the temporary suffix is unfinished, and a folder without checkpoint files is not a step."""
+    out = []
+    for name in _names(directory):
+        match = _STEP.match(name)
+        if match is None or TMP_SUFFIX in name:
+            continue
+        folder = os.path.join(directory, name)
+        if os.path.isdir(folder) and detect(folder):
+            out.append((int(match.group(1)), folder))
+    return sorted(out)
 
 
 def manages(directory: str) -> bool:
-    return False
+    """An Orbax CheckpointManager directory: step folders holding ``_CHECKPOINT_METADATA``."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory) or detect(directory):
+        return False
+    return any(CHECKPOINT_METADATA in _names(folder) for _, folder in _steps(directory))
 
 
 def latest(directory: str) -> str | None:
-    return None
+    """The folder of the newest finished step, or None."""
+    steps = _steps(os.fspath(directory))
+    return steps[-1][1] if steps else None
 
 
-def open(path: str):  # noqa: A001
-    raise NotImplementedError
+# --- reading ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRef:
+    """Where an array leaf is: the TensorStore spec that opens it, with its checked metadata as
+    constraints, and its Orbax name for messages."""
+
+    spec: dict[str, Any]
+    name: str
+
+
+def _read_json(file: str, limit: int, what: str) -> Any:
+    """The JSON in ``file`` (at most ``limit`` bytes), or None if there is no such file."""
+    try:
+        with builtins.open(file, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StorageError(f"Cannot read {what} ({file!r}): {e}", e.errno) from e
+    if len(data) > limit:
+        raise CheckpointFormatError(f"{what} ({file!r}) is larger than {limit} bytes: it is damaged or crafted.")
+    return _parse_json(data, f"{what} ({file!r})")
+
+
+def _parse_json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointFormatError(f"{what} is not valid JSON: {e}") from e
+
+
+def _fail(what: str, expected: str, found: Any) -> CheckpointFormatError:
+    return CheckpointFormatError(f"{what}: expected {expected}, found {str(found)[:200]!r}. It is damaged or crafted.")
+
+
+def _ints(value: Any, what: str, field: str, minimum: int = 0) -> tuple[int, ...]:
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_RANK
+        or not all(type(v) is int and v >= minimum for v in value)  # bool is not a size
+    ):
+        raise _fail(what, f"{field} as a list of at most {MAX_RANK} integers >= {minimum}", value)
+    return tuple(value)
+
+
+def _dtype(name: Any, what: str, zarr3: bool) -> np.dtype:
+    """The numpy dtype of a zarr ``dtype`` (v2: ``<f4``, ``|b1``, or TensorStore's ``bfloat16``...)
+    or ``data_type`` (v3: ``float32``, ``bfloat16``)."""
+    if isinstance(name, str) and name in DTYPES and (zarr3 or DTYPES[name].kind == "V"):  # ml_dtypes: kind V
+        return DTYPES[name]
+    if isinstance(name, str) and not zarr3 and len(name) >= 3 and name[0] in "<|" and name[1] in "biufc":
+        try:
+            dtype = np.dtype(name)
+        except TypeError:
+            dtype = None
+        if dtype is not None and dtype in DTYPES.values() and dtype.byteorder in "=|":
+            return dtype
+    raise _fail(what, "a numeric dtype (little-endian) that jaxckpt knows", name)
+
+
+def _check_size(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype, what: str) -> None:
+    if len(chunks) != len(shape) or any(c > max(1, n) for c, n in zip(chunks, shape)):
+        raise _fail(what, f"chunks of rank {len(shape)}, each at most the shape {shape}", chunks)
+    if math.prod(shape) * dtype.itemsize > MAX_ARRAY_BYTES:
+        raise CheckpointFormatError(
+            f"{what}: the array of shape {shape} and dtype {dtype.name} would take more than {MAX_ARRAY_BYTES} "
+            "bytes. It is damaged or crafted."
+        )
+
+
+def _zarr2(meta: Any, what: str) -> tuple[np.dtype, tuple[int, ...]]:
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 2:
+        raise _fail(what, "zarr v2 metadata (a JSON object with zarr_format 2)", meta)
+    unknown = set(meta) - _ZARR2_FIELDS
+    if unknown:
+        raise _fail(what, f"only the fields {sorted(_ZARR2_FIELDS)}", sorted(unknown))
+    shape = _ints(meta.get("shape"), what, "shape")
+    chunks = _ints(meta.get("chunks"), what, "chunks", minimum=1)
+    dtype = _dtype(meta.get("dtype"), what, zarr3=False)
+    compressor = meta.get("compressor")
+    if compressor is not None and (not isinstance(compressor, dict) or compressor.get("id") not in _ZARR2_COMPRESSORS):
+        raise _fail(what, f"no compressor or one of {sorted(_ZARR2_COMPRESSORS)}", compressor)
+    if meta.get("filters") not in (None, []):
+        raise _fail(what, "no filters", meta.get("filters"))
+    if meta.get("order", "C") != "C":
+        raise _fail(what, "order 'C'", meta.get("order"))
+    if meta.get("dimension_separator", ".") not in (".", "/"):
+        raise _fail(what, "dimension_separator '.' or '/'", meta.get("dimension_separator"))
+    _check_size(shape, chunks, dtype, what)
+    return dtype, shape
+
+
+def _codecs(codecs: Any, what: str, shape: tuple[int, ...], chunks: tuple[int, ...], nested: bool) -> None:
+    if not isinstance(codecs, list) or not codecs or len(codecs) > 8:
+        raise _fail(what, "a list of codecs", codecs)
+    for codec in codecs:
+        name = codec.get("name") if isinstance(codec, dict) else None
+        if name == "sharding_indexed" and not nested:
+            config = codec.get("configuration")
+            if not isinstance(config, dict):
+                raise _fail(what, "a configuration of the sharding_indexed codec", codec)
+            inner = _ints(config.get("chunk_shape"), what, "the sharded chunk_shape", minimum=1)
+            _check_size(chunks, inner, np.dtype("uint8"), what)
+            _codecs(config.get("codecs"), what, shape, inner, nested=True)
+            _codecs(config.get("index_codecs"), what, shape, inner, nested=True)
+        elif name not in _ZARR3_CODECS:
+            raise _fail(what, f"codecs among {sorted(_ZARR3_CODECS | {'sharding_indexed'})}", codec)
+
+
+def _zarr3(meta: Any, what: str) -> tuple[np.dtype, tuple[int, ...]]:
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type", "array") != "array":
+        raise _fail(what, "zarr3 array metadata (a JSON object with zarr_format 3)", meta)
+    unknown = set(meta) - _ZARR3_FIELDS
+    if unknown:
+        raise _fail(what, f"only the fields {sorted(_ZARR3_FIELDS)}", sorted(unknown))
+    shape = _ints(meta.get("shape"), what, "shape")
+    dtype = _dtype(meta.get("data_type"), what, zarr3=True)
+    grid = meta.get("chunk_grid")
+    if not isinstance(grid, dict) or grid.get("name") != "regular" or not isinstance(grid.get("configuration"), dict):
+        raise _fail(what, "a regular chunk_grid", grid)
+    chunks = _ints(grid["configuration"].get("chunk_shape"), what, "chunk_shape", minimum=1)
+    encoding = meta.get("chunk_key_encoding")
+    if not isinstance(encoding, dict) or encoding.get("name") not in ("default", "v2"):
+        raise _fail(what, "the chunk_key_encoding 'default' or 'v2'", encoding)
+    if meta.get("storage_transformers") not in (None, []):
+        raise _fail(what, "no storage_transformers", meta.get("storage_transformers"))
+    _check_size(shape, chunks, dtype, what)
+    _codecs(meta.get("codecs"), what, shape, chunks, nested=False)
+    return dtype, shape
+
+
+def _leaf_name(edges: list[str], what: str) -> str:
+    """The Orbax name of a leaf, which is also its folder (or key prefix) in the item: kept inside it."""
+    name = ".".join(edges)
+    parts = name.split("/")
+    if not name or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
+        raise _fail(what, "a leaf name that stays inside the checkpoint's folder", name)
+    return name
+
+
+def _old_layout(folder: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{folder!r} is an Orbax PyTree item without {TREE_METADATA}, written by Orbax before 0.5 (its tree is in "
+        "the msgpack file 'checkpoint'): jaxckpt does not read that layout. Restore it with that Orbax and save it "
+        "again with a newer one."
+    )
+
+
+class Reader:
+    """An opened Orbax checkpoint: one item, or the items of one step folder."""
+
+    name = NAME
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._entries: list[Entry] = []
+        names = _names(path)
+        if _is_item(names):
+            self._pytree_item(path, ())
+            return
+        handlers = _read_json(os.path.join(path, CHECKPOINT_METADATA), METADATA_LIMIT, "Orbax's checkpoint metadata")
+        handlers = handlers.get("item_handlers") if isinstance(handlers, dict) else None
+        if isinstance(handlers, str):  # one item saved in this folder by its own handler
+            self._item(path, (), handlers)
+        elif isinstance(handlers, dict):
+            for item, handler in handlers.items():
+                folder = os.path.join(path, item)
+                if not item or item in (".", "..") or "/" in item or "\\" in item:
+                    raise _fail(f"{path!r}: {CHECKPOINT_METADATA}", "item names that are folder names", item)
+                if not os.path.isdir(folder):
+                    raise CheckpointCorruptedError(
+                        f"{path!r}: {CHECKPOINT_METADATA} lists the item {item!r}, but its folder {folder!r} is "
+                        "missing: the checkpoint is incomplete or was partly deleted."
+                    )
+                self._item(folder, (item,), handler if isinstance(handler, str) else "")
+        else:  # older step folders: every subfolder that holds an item
+            for item in sorted(names):
+                folder = os.path.join(path, item)
+                if os.path.isdir(folder):
+                    self._item(folder, (item,), "")
+        if not self._entries and not handlers:
+            raise NotACheckpointError(f"{path!r} holds no Orbax item (no {TREE_METADATA}, no JSON item).")
+
+    # -- items --
+
+    def _item(self, folder: str, prefix: tuple[str, ...], handler: str) -> None:
+        names = _names(folder)
+        if _is_item(names):
+            self._pytree_item(folder, prefix)
+        elif "JsonCheckpointHandler" in handler or (not handler and JSON_ITEM_FILE in names):
+            value = _read_json(os.path.join(folder, JSON_ITEM_FILE), METADATA_LIMIT, "a JSON item of Orbax")
+            if value is None:
+                raise CheckpointCorruptedError(f"The JSON item {folder!r} has no file {JSON_ITEM_FILE!r}.")
+            self._json(value, prefix, f"{folder!r}", 0)
+        elif "checkpoint" in names:
+            raise _old_layout(folder)
+        else:
+            what = handler.rsplit(".", 1)[-1] or "unknown handler"
+            self._entries.append(Entry(prefix or ("item",), None, note=f"Orbax item of {what}"))
+
+    def _json(self, value: Any, edges: tuple[str, ...], what: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise CheckpointFormatError(f"{what}: values nested more than {MAX_DEPTH} levels deep.")
+        if isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            if not value:
+                self._entries.append(Entry(edges, None, note=f"empty {type(value).__name__}"))
+            for k, v in items:
+                self._json(v, (*edges, str(k)), what, depth + 1)
+            return
+        if not edges:
+            raise CheckpointFormatError(f"{what}: the JSON item is a single value; open the step folder instead.")
+        kind = "none" if value is None else type(value).__name__
+        self._entries.append(Entry(edges, ValueLeaf(kind, value)))
+
+    def _pytree_item(self, folder: str, prefix: tuple[str, ...]) -> None:
+        file = os.path.join(folder, TREE_METADATA)
+        where = f"{file!r}"
+        meta = _read_json(file, METADATA_LIMIT, "Orbax's tree metadata")
+        if meta is None:
+            if "checkpoint" in _names(folder):
+                raise _old_layout(folder)
+            raise CheckpointCorruptedError(f"The Orbax item {folder!r} has no {TREE_METADATA} file.")
+        if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
+            raise _fail(where, "a JSON object with 'tree_metadata'", meta)
+        flags = {k: meta.get(k, False) for k in ("use_ocdbt", "use_zarr3", "store_array_data_equal_to_fill_value")}
+        if not all(isinstance(v, bool) for v in flags.values()):
+            raise _fail(where, "use_ocdbt, use_zarr3 and store_array_data_equal_to_fill_value as booleans", flags)
+        absolute = os.path.abspath(folder) + "/"
+        if flags["use_ocdbt"]:
+            if not os.path.isfile(os.path.join(folder, "manifest.ocdbt")):
+                raise CheckpointCorruptedError(
+                    f"The Orbax item {folder!r} keeps its arrays in an OCDBT database (use_ocdbt in {TREE_METADATA}) "
+                    "but has no manifest.ocdbt: it is incomplete or was partly deleted."
+                )
+            kvstore: dict[str, Any] = {"driver": "ocdbt", "base": {"driver": "file", "path": absolute}}
+        else:
+            kvstore = {"driver": "file", "path": absolute}
+        strings: dict[str, Any] | None = None
+        for tree_key, record in meta["tree_metadata"].items():
+            what = f"{where}, leaf {tree_key[:200]!r}"
+            if not isinstance(record, dict) or not isinstance(record.get("value_metadata"), dict):
+                raise _fail(what, "key_metadata and value_metadata", record)
+            path = record.get("key_metadata")
+            if not isinstance(path, list) or not path or len(path) > MAX_DEPTH:
+                raise _fail(what, f"key_metadata as a list of 1 to {MAX_DEPTH} keys", path)
+            edges = []
+            for part in path:
+                if (
+                    not isinstance(part, dict)
+                    or not isinstance(part.get("key"), str)
+                    or part.get("key_type") not in (1, 2)
+                ):
+                    raise _fail(what, "keys as {'key': str, 'key_type': 1 or 2}", part)
+                edges.append(part["key"])
+            key = "/".join((*prefix, *edges))
+            what = f"{key!r} of the Orbax checkpoint {self.path!r}"
+            value = record["value_metadata"]
+            kind = value.get("value_type")
+            if not isinstance(kind, str):
+                raise _fail(f"{what} ({file!r})", "a value_type", kind)
+            full = (*prefix, *edges)
+            # None and empty containers are saved as skip_deserialize: their value type is all there is.
+            if kind == "None":
+                self._entries.append(Entry(full, ValueLeaf("none", None)))
+            elif kind in _EMPTY_TYPES:
+                self._entries.append(Entry(full, None, note=_EMPTY_TYPES[kind]))
+            elif value.get("skip_deserialize") is True:
+                self._entries.append(Entry(full, None, note="not saved (skip_deserialize)"))
+            elif kind in _ARRAY_TYPES:
+                name = _leaf_name(edges, f"{what} ({file!r})")
+                self._array(full, key, name, kind, value, kvstore, flags, what)
+            elif kind == "string":
+                if strings is None:
+                    strings = _read_json(os.path.join(folder, STRINGS_FILE), METADATA_LIMIT, "Orbax's strings")
+                    if not isinstance(strings, dict):
+                        raise _fail(f"{what}: {os.path.join(folder, STRINGS_FILE)!r}", "a JSON object", strings)
+                text = strings.get(".".join(edges))
+                if not isinstance(text, str):
+                    raise CheckpointCorruptedError(f"{what}: its string is missing from {STRINGS_FILE} in {folder!r}.")
+                self._entries.append(Entry(full, ValueLeaf("str", text)))
+            else:
+                self._entries.append(Entry(full, None, note=f"Orbax value type {kind[:100]!r}"))
+
+    def _array(
+        self,
+        edges: tuple[str, ...],
+        key: str,
+        name: str,
+        kind: str,
+        value: dict[str, Any],
+        kvstore: dict[str, Any],
+        flags: dict[str, bool],
+        what: str,
+    ) -> None:
+        zarr3 = flags["use_zarr3"]
+        file = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
+        where = f"{what} ({file!r})"
+        raw = _arrayio.read_foreign_file(kvstore, file, ZARR_METADATA_LIMIT, where)
+        if raw is None:
+            raise CheckpointCorruptedError(f"{what}: its array metadata {file!r} is missing from the checkpoint.")
+        meta = _parse_json(raw, where)
+        dtype, shape = _zarr3(meta, where) if zarr3 else _zarr2(meta, where)
+        if "write_shape" in value:
+            write = _ints(value["write_shape"], f"{what} (write_shape in {TREE_METADATA})", "write_shape")
+            if len(write) != len(shape) or any(w > max(1, n) for w, n in zip(write, shape)):
+                raise CheckpointFormatError(
+                    f"{what}: {TREE_METADATA} says it was written in shards of shape {write}, which do not fit "
+                    f"its array of shape {shape} in {file!r}. It is damaged or crafted."
+                )
+        if kind == "scalar" and (shape != () or dtype.kind not in "biuf"):
+            raise CheckpointFormatError(
+                f"{what}: {TREE_METADATA} says it is a Python scalar, but its array in {file!r} has shape {shape} "
+                f"and dtype {dtype.name}. It is damaged or crafted."
+            )
+        spec = {
+            "driver": "zarr3" if zarr3 else "zarr",
+            "kvstore": {**kvstore, "path": kvstore.get("path", "") + name + "/"},  # in the database, or the folder
+            "metadata": meta,  # what was checked is what TensorStore must find
+            "fill_missing_data_reads": not flags["store_array_data_equal_to_fill_value"],
+        }
+        leaf = ArrayLeaf(dtype, shape, NUMPY, InForeign(ArrayRef(spec, name)))
+        if kind == "scalar":  # a Python int or float: read now, for its ValueLeaf
+            number = self.read(key, leaf).item()
+            self._entries.append(Entry(edges, ValueLeaf(type(number).__name__, number)))
+        else:
+            self._entries.append(Entry(edges, leaf))
+
+    # -- the Foreign protocol --
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries)
+
+    def read(self, key: str, leaf: ArrayLeaf) -> np.ndarray:
+        ref = leaf.at.ref  # type: ignore[union-attr]
+        assert isinstance(ref, ArrayRef)
+        what = f"{key!r} of the Orbax checkpoint {self.path!r} (array {ref.name!r})"
+        store = _arrayio.open_foreign_array(ref.spec, what)
+        if tuple(store.shape) != leaf.shape or store.dtype.name != leaf.dtype.name:
+            raise CheckpointFormatError(
+                f"{what}: TensorStore opens it with shape {tuple(store.shape)} and dtype {store.dtype.name}, but its "
+                f"metadata says {leaf.shape} and {leaf.dtype.name}. It is damaged or crafted."
+            )
+        return _arrayio.read_foreign(store, leaf.dtype, what)
+
+
+def open(path: str) -> Reader:
+    """Open the Orbax checkpoint (an item, or a step folder of Composite items) at ``path``."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"No Orbax checkpoint at {path!r}: nothing is there.")
+    if not detect(path):
+        raise NotACheckpointError(f"{path!r} is not an Orbax checkpoint (no {TREE_METADATA} or {CHECKPOINT_METADATA}).")
+    return Reader(path)
