@@ -378,5 +378,9 @@ def test_crafted_partitions(tmp_path: Path) -> None:
         tf_format.open(partitioned(tmp_path, [(0, 2)], listed=[(0, 2), (2, 2)]))
     with pytest.raises(CheckpointFormatError, match=r"its slice .* is outside it"):
         tf_format.open(partitioned(tmp_path, [(0, 2), (2, 2)], listed=[(0, 2), (2, 3)]))
+    with pytest.raises(
+        CheckpointFormatError, match=r"'a slice of p' is float32 of shape \(3, 3\), 36 bytes, but its entry says 24"
+    ):
+        tf_format.open(partitioned(tmp_path, [(0, 2), (2, 3)]))  # row 4 is past the array: 2 rows stored
     with pytest.raises(CheckpointFormatError, match="overlapping slices"):
         ForeignCheckpoint(tf_format.open(partitioned(tmp_path, [(0, 2), (1, 2)], listed=[(0, 2), (1, 2)]))).read("p")

@@ -35,7 +35,7 @@ import google_crc32c
 import ml_dtypes
 import numpy as np
 
-from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, UnsupportedVersionError
+from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, StorageError, UnsupportedVersionError
 from jaxckpt._format import NUMPY, ArrayLeaf, InForeign
 from jaxckpt._formats import Entry
 
@@ -92,6 +92,18 @@ def mask_crc(crc: int) -> int:
     """TensorFlow's (LevelDB's) masked CRC: stored CRCs are rotated and offset, so that a CRC of
     bytes that contain CRCs stays well distributed."""
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+_CRC_CHUNK = 64 << 20
+
+
+def _crc32c(view: memoryview) -> int:
+    """The CRC-32C of a large buffer: google_crc32c takes only bytes, so a bounded chunk at a
+    time is copied rather than the whole value."""
+    crc = 0
+    for start in range(0, len(view), _CRC_CHUNK):
+        crc = google_crc32c.extend(crc, bytes(view[start : start + _CRC_CHUNK]))
+    return crc
 
 
 # --- protobuf wire format ---------------------------------------------------------------------
@@ -405,6 +417,8 @@ class Reader:
                 data = f.read(size + 1)
         except FileNotFoundError:
             raise CheckpointFormatError(f"{self.index_path!r}: no such file; not a TensorFlow checkpoint") from None
+        except OSError as e:  # permission denied, a directory: not damage, the storage said no
+            raise StorageError(f"Cannot read {self.index_path!r}: {e.strerror or e}", e.errno) from None
         header: _Header | None = None
         previous: bytes | None = None
         try:
@@ -443,7 +457,7 @@ class Reader:
         if not 0 <= header.num_shards <= _MAX_SHARDS:
             raise self._fail(f"the header claims {header.num_shards} data shards")
         self.num_shards = header.num_shards
-        for name, entry in [*self._entries.items(), *((repr(k), e) for k, e in self._slices.items())]:
+        for name, entry in [*self._entries.items(), *((_slice_name(k), e) for k, e in self._slices.items())]:
             if entry.dtype in _DTYPES and not entry.slices:
                 self._check_sizes(name, entry)
         for name, entry in self._entries.items():
@@ -547,7 +561,7 @@ class Reader:
                 done += n
         finally:
             os.close(fd)
-        actual = mask_crc(google_crc32c.value(bytes(buf)))
+        actual = mask_crc(_crc32c(view))
         if actual != entry.crc32c:
             raise CheckpointCorruptedError(
                 f"{self.path!r}: {key!r} fails its checksum in {shard!r} "
@@ -636,6 +650,12 @@ class Reader:
         if mask_crc(crc) != entry.crc32c:
             raise CheckpointCorruptedError(f"{self.path!r}: {key!r} fails its checksum in {shard!r}")
         return data[pos + 4 :]
+
+
+def _slice_name(key: bytes) -> str:
+    """How messages name a slice's entry: the variable's name in its EncodeTensorNameSlice key."""
+    name = key[1:].split(b"\x00\x01", 1)[0].replace(b"\x00\xff", b"\x00").replace(b"\xff\x00", b"\xff")
+    return f"a slice of {name.decode('utf-8', 'replace')}"
 
 
 def _slice_shape(extents: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> tuple[int, ...]:
