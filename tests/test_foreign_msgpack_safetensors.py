@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointFormatError,
+    CheckpointNotFoundError,
     JaxckptError,
     MismatchError,
     UnsupportedValueError,
@@ -110,6 +111,12 @@ def test_detect_by_first_bytes(tmp_path):
     c = tmp_path / "notes.txt"
     c.write_text("hello")
     assert not sf.detect(str(c)) and not fm.detect(str(c))
+    d = tmp_path / "blob.bin"  # a map byte, then a str header, then bytes that are not text
+    d.write_bytes(b"\x83\xa4\x00\x01\x02\x03")
+    assert not fm.detect(str(d))
+    for name in ("x.msgpack", "x.safetensors"):  # folders are never one of these files
+        (tmp_path / name).mkdir()
+        assert not fm.detect(str(tmp_path / name)) and not sf.detect(str(tmp_path / name))
 
 
 def test_legacy_folder_ignores_temp_files_and_orbax_folders(tmp_path):
@@ -152,6 +159,7 @@ def test_msgpack_values_of_every_kind(tmp_path):
         7: 0.5,  # int keys read as their str, as flax's state dicts write them
         "raw": b"\x00\x01",
         "unknown": msgpack.ExtType(42, b"xyz"),
+        "when": msgpack.Timestamp(5),
         "a/b": 1,  # a "/" in a name is one edge, escaped in the key
     }
     ckpt = load(Path(write_msgpack(tmp_path / "x.msgpack", tree)), fm)
@@ -167,7 +175,7 @@ def test_msgpack_values_of_every_kind(tmp_path):
     assert ckpt.read("list/1").tolist() == [0, 1, 2]
     assert leaves["7"] == ValueLeaf("float", 0.5)
     assert leaves["a~1b"] == ValueLeaf("int", 1)
-    assert set(ckpt.skipped) == {"raw", "unknown"}
+    assert set(ckpt.skipped) == {"raw", "unknown", "when"}
     assert ckpt.skipped["raw"].note.startswith("bytes") and "42" in ckpt.skipped["unknown"].note
 
 
@@ -246,6 +254,7 @@ def test_msgpack_bad_structure(tmp_path):
         "colliding": {1: 1, "1": 2},
         "root_value": 3,
         "root_array": ext_array(np.ones(2)),
+        "root_chunked": {fm.CHUNKED: True, "shape": {"0": 2}, "chunks": {"0": ext_array(np.ones(2))}},
         "bad_scalar": {"s": ext_array(np.ones(2), fm.EXT_NPSCALAR)},
         "bad_complex": {"c": msgpack.ExtType(fm.EXT_COMPLEX, msgpack.packb(("a", 1)))},
         "bad_chunks": {"c": {fm.CHUNKED: True, "shape": {"0": 5}, "chunks": {"0": ext_array(np.ones(3))}}},
@@ -284,6 +293,12 @@ def test_msgpack_bad_bytes(tmp_path):
         assert f"{name}.msgpack" in str(e.value), name
     with pytest.raises(CheckpointFormatError, match="regular file"):
         fm.open(str(tmp_path))
+    with pytest.raises(CheckpointFormatError, match="regular file"):
+        sf.open(str(tmp_path))
+    with pytest.raises(CheckpointNotFoundError):
+        fm.open(str(tmp_path / "absent.msgpack"))
+    with pytest.raises(CheckpointNotFoundError):
+        sf.open(str(tmp_path / "absent.safetensors"))
 
 
 # --- safetensors: golden file ---------------------------------------------------------------------
@@ -329,6 +344,10 @@ def test_writer_round_trip(tmp_path):
 
     sf.write(path, specs(TENSORS), produce, {"format": "np", "note": "ünïcode"})
     assert sorted(calls) == sorted(TENSORS) and os.listdir(tmp_path) == ["out.safetensors"]
+    # largest itemsize first, so every offset is aligned; produce follows that order
+    assert [TENSORS[n].dtype.itemsize for n in calls] == sorted(
+        (v.dtype.itemsize for v in TENSORS.values()), reverse=True
+    )
     data = path.read_bytes()
     n = struct.unpack("<Q", data[:8])[0]
     assert n % 8 == 0 and data[8 + n - 1 : 8 + n] in (b" ", b"}")
@@ -344,6 +363,23 @@ def test_writer_round_trip(tmp_path):
     for name, want in TENSORS.items():
         got = ckpt.read(name.replace("/", "~1"))
         assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def test_writer_streams_into_a_temp_file_beside_the_destination(tmp_path):
+    from jaxckpt._storage import temp_file_pattern
+
+    path = tmp_path / "model.safetensors"
+    seen: list[list[str]] = []
+
+    def produce(name: str) -> np.ndarray:
+        seen.append(os.listdir(tmp_path))  # while writing: only the temp file, no destination yet
+        return np.full(3, len(seen), np.int32)
+
+    sf.write(path, [("a", np.dtype(np.int32), (3,)), ("b", np.dtype(np.int32), (3,))], produce)
+    assert len(seen) == 2 and seen[0] == seen[1] and len(seen[0]) == 1
+    assert temp_file_pattern("model.safetensors").fullmatch(seen[0][0])
+    ckpt = ForeignCheckpoint(sf.open(str(path)))
+    assert ckpt.read("a").tolist() == [1, 1, 1] and ckpt.read("b").tolist() == [2, 2, 2]
 
 
 def test_writer_replaces_existing_file_and_accepts_jax_arrays(tmp_path):
@@ -385,7 +421,7 @@ def test_writer_failure_leaves_destination_untouched(tmp_path, produce, error, m
         (("c", np.dtype(np.complex128), (2,)), "complex128, which safetensors cannot hold"),
         (("s", np.dtype("U3"), (2,)), "cannot hold"),
         (("i4", np.dtype(ml_dtypes.int4), (2,)), "cannot hold"),
-        (("__metadata__", np.dtype(np.float32), (2,)), "reserved"),
+        (("__metadata__", np.dtype(np.float32), (2,)), "metadata entry"),
         (("bad\ud800", np.dtype(np.float32), (2,)), "UTF-8"),
         (("neg", np.dtype(np.float32), (-1,)), "non-negative"),
     ],
@@ -449,7 +485,8 @@ def test_safetensors_bad_header(tmp_path, header, data, error, match):
 @pytest.mark.parametrize(
     ("raw", "match"),
     [
-        (b'{"w": ' + b"\xff\xfe" + b"}", r"not UTF-8 \(byte 6"),
+        (b'{"w": ' + b"\xff\xfe" + b"}", r"not UTF-8 \(byte 6 of the header is 0xff\)"),
+        (b'{"a.b": {"dtype": "F\xff32"}}', r"not UTF-8 \(byte 20 .*in or after the entry of tensor 'a.b'"),
         (b'{"w": 1', "not JSON"),
         (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
         (b'{"w": NaN}', "not JSON"),

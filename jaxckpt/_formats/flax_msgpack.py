@@ -79,7 +79,11 @@ def _head(path: str, n: int) -> bytes | None:
 
 
 def _looks_like_state_dict(head: bytes) -> bool:
-    """A msgpack map whose first key is a str: how every flax state dict begins."""
+    """A msgpack map whose first key is a printable str: how every flax state dict begins.
+
+    Only a heuristic for files not named ``*.msgpack``; the stricter it is, the fewer other binary
+    files (which may begin with any byte) are taken for msgpack.
+    """
     if not head:
         return False
     b = head[0]
@@ -89,12 +93,27 @@ def _looks_like_state_dict(head: bytes) -> bool:
         rest = head[3:] if b == 0xDE else head[5:]
     else:
         return head == b"\x80"  # an empty state dict
-    return bool(rest) and (0xA0 <= rest[0] <= 0xBF or rest[0] in (0xD9, 0xDA, 0xDB))
+    if not rest:
+        return False
+    if 0xA0 <= rest[0] <= 0xBF:
+        length, key = rest[0] & 0x1F, rest[1:]
+    elif rest[0] == 0xD9 and len(rest) > 1:
+        length, key = rest[1], rest[2:]
+    else:
+        return False
+    key = key[:length]
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError as e:  # a key cut by the end of ``head`` is fine
+        if e.reason != "unexpected end of data":
+            return False
+        text = key[: e.start].decode("utf-8")
+    return text.isprintable()
 
 
 def detect(path: str) -> bool:
     """A regular file named ``*.msgpack``, or one whose bytes begin as a flax state dict does."""
-    head = _head(path, 8)
+    head = _head(path, 40)
     if head is None:
         return False
     return path.endswith(SUFFIX) or _looks_like_state_dict(head)
@@ -112,7 +131,7 @@ def _legacy_steps(directory: str) -> list[tuple[int, str]]:
             continue
         path = os.path.join(directory, name)
         # Orbax-backed flax checkpoints are folders with these names: not ours.
-        head = _head(path, 8)
+        head = _head(path, 40)
         if head is not None and _looks_like_state_dict(head):
             out.append((int(m.group(1)), path))
     return sorted(out)
@@ -152,9 +171,12 @@ class _Bad:
 
 @dataclasses.dataclass(frozen=True)
 class _Chunks:
-    """A chunked array: the 1-D pieces, in order."""
+    """A chunked array: its dtype and shape, and the 1-D pieces that hold it, in order."""
 
+    dtype: np.dtype
+    shape: tuple[int, ...]
     pieces: tuple[_Array, ...]
+    scalar: bool = False
 
 
 def _ndarray(data: bytes, scalar: bool) -> _Array | _Bad:
@@ -220,10 +242,11 @@ class MsgpackReader:
         self._entries: list[Entry] = []
         self._values: dict[int, _Array | _Chunks] = {}
         root = self._decode(_read_whole(path))
-        if not isinstance(root, (dict, list)):
+        if not isinstance(root, (dict, list)) or (isinstance(root, dict) and CHUNKED in root):
+            what = "array" if isinstance(root, (dict, _Array)) else type(root).__name__
             raise CheckpointFormatError(
-                f"{path!r}: expected a map of values (a flax state dict), found a single "
-                f"{type(root).__name__} at the root; jaxckpt reads trees of named values."
+                f"{path!r}: expected a map of values (a flax state dict), found a single {what} at the "
+                "root; jaxckpt reads trees of named values."
             )
         self._walk(root, ())
 
@@ -320,17 +343,16 @@ class MsgpackReader:
             raise self._error(
                 edges, f"shape {list(shape)} needs {math.prod(shape):,} elements, the chunks hold {total:,}"
             )
-        return _Chunks(tuple(dataclasses.replace(p, shape=shape) if i == 0 else p for i, p in enumerate(pieces)))
+        return _Chunks(pieces[0].dtype, shape, pieces)
 
     def _leaf(self, value: Any, edges: tuple[str, ...]) -> Entry:
         if isinstance(value, _Bad):
             raise self._error(edges, value.why)
         if isinstance(value, (_Array, _Chunks)):
-            first = value if isinstance(value, _Array) else value.pieces[0]
             ref = len(self._values)
             self._values[ref] = value
-            container = NUMPY_SCALAR if first.scalar else NUMPY
-            return Entry(edges, ArrayLeaf(first.dtype, first.shape, container, InForeign(ref)))
+            container = NUMPY_SCALAR if value.scalar else NUMPY
+            return Entry(edges, ArrayLeaf(value.dtype, value.shape, container, InForeign(ref)))
         if value is None:
             return Entry(edges, ValueLeaf("none", None))
         for name, t in (("bool", bool), ("int", int), ("float", float), ("str", str)):
@@ -340,6 +362,8 @@ class MsgpackReader:
             return Entry(edges, None, note=f"bytes ({len(value):,})")
         if isinstance(value, msgpack.ExtType):
             return Entry(edges, None, note=f"msgpack ext type {value.code}")
+        if isinstance(value, msgpack.Timestamp):  # ext type -1, which msgpack decodes itself
+            return Entry(edges, None, note="msgpack timestamp")
         raise self._error(edges, f"a value of type {type(value).__name__}")  # not reached: msgpack's types
 
     def entries(self) -> list[Entry]:

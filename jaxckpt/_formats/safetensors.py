@@ -27,6 +27,7 @@ import itertools
 import json
 import math
 import os
+import re
 import stat
 import uuid
 from collections.abc import Callable, Sequence
@@ -171,7 +172,7 @@ class SafetensorsReader:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise self._error(
-                f"the header is not UTF-8 (byte {e.start} of the header is {raw[e.start]:#04x})"
+                f"the header is not UTF-8 (byte {e.start} of the header is {raw[e.start]:#04x}{_near(raw, e.start)})"
             ) from None
         try:
             header = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
@@ -270,6 +271,13 @@ class SafetensorsReader:
 
 def open(path: str) -> SafetensorsReader:
     return SafetensorsReader(os.fspath(path))
+
+
+def _near(raw: bytes, at: int) -> str:
+    """Which entry of the header byte ``at`` is in: the last ``"name": {`` before it, if any."""
+    before = raw[:at].decode("utf-8", "replace")
+    names = re.findall(r'"((?:[^"\\]|\\.)*)"\s*:\s*\{', before)
+    return f", in or after the entry of tensor {names[-1]!r}" if names else ""
 
 
 class _Duplicate(Exception):
@@ -374,14 +382,10 @@ def _header(
     seen: set[str] = set()
     checked: list[tuple[str, np.dtype, tuple[int, ...], str]] = []
     for name, dtype, shape in specs:
-        if not isinstance(name, str) or name == METADATA_KEY or name in seen:
-            why = (
-                "is not a str"
-                if not isinstance(name, str)
-                else "is reserved"
-                if name in (METADATA_KEY,)
-                else "is given twice"
-            )
+        if not isinstance(name, str):
+            raise UnsupportedValueError(f"Cannot write {target!r}: expected tensor names of type str, found {name!r}.")
+        if name == METADATA_KEY or name in seen:
+            why = "is the header's metadata entry" if name == METADATA_KEY else "is given twice"
             raise UnsupportedValueError(f"Cannot write {target!r}: the tensor name {name!r} {why}.")
         _check_utf8(target, name, "tensor name")
         seen.add(name)
