@@ -384,3 +384,38 @@ def test_crafted_partitions(tmp_path: Path) -> None:
         tf_format.open(partitioned(tmp_path, [(0, 2), (2, 3)]))  # row 4 is past the array: 2 rows stored
     with pytest.raises(CheckpointFormatError, match="overlapping slices"):
         ForeignCheckpoint(tf_format.open(partitioned(tmp_path, [(0, 2), (1, 2)], listed=[(0, 2), (1, 2)]))).read("p")
+
+
+@pytest.mark.parametrize("fixture", ["tf1", "tf2"])
+def test_every_damaged_index_byte_is_a_format_error_or_harmless(tmp_path: Path, fixture: str) -> None:
+    # Each byte flipped, and the file cut at each length: opening and reading raise
+    # CheckpointFormatError (its subclasses included) or succeed; never another exception.
+    prefix = expected(fixture)[0]
+    original = Path(prefix + ".index").read_bytes()
+    for path in Path(prefix).parent.glob(Path(prefix).name + ".data-*"):
+        shutil.copy(path, tmp_path / path.name)
+    target = tmp_path / (Path(prefix).name + ".index")
+    damaged = [original[:i] + bytes([original[i] ^ 0x40]) + original[i + 1 :] for i in range(len(original))]
+    damaged += [original[:i] for i in range(len(original))]
+    for content in damaged:
+        target.write_bytes(content)
+        try:
+            reader = tf_format.open(str(tmp_path / Path(prefix).name))
+            checkpoint = ForeignCheckpoint(reader)
+            for key in checkpoint.index.leaves:
+                checkpoint.read(key)
+            reader.objects  # noqa: B018
+        except CheckpointFormatError:
+            pass
+
+
+def test_a_damaged_object_graph_is_named(tmp_path: Path) -> None:
+    for path in (GOLDEN / "tf2" / "tf_ckpts").glob("ckpt-5.*"):
+        shutil.copy(path, tmp_path / path.name)
+    prefix = str(tmp_path / "ckpt-5")
+    entry = tf_format.open(prefix)._entries[tf_format.OBJECT_GRAPH_KEY]
+    flip(prefix + ".data-00000-of-00001", entry.offset + entry.size - 3)
+    reader = tf_format.open(prefix)
+    assert ForeignCheckpoint(reader).read("net/l1/bias").shape == (5,)
+    with pytest.raises(CheckpointCorruptedError, match="'_CHECKPOINTABLE_OBJECT_GRAPH' fails its checksum"):
+        reader.objects  # noqa: B018

@@ -16,7 +16,8 @@ Keys: TensorFlow names split on ``/``. For ``tf.train.Checkpoint`` names the tra
 ``.ATTRIBUTES`` edge (``iterator/ITERATOR_STATE``), and ``_CHECKPOINTABLE_OBJECT_GRAPH`` is not a
 value: it is read for :attr:`Reader.objects`. A slot variable
 (``net/l1/kernel/.OPTIMIZER_SLOT/optimizer/m/...``) cannot sit below its variable, which is itself
-a value, so ``kernel/.OPTIMIZER_SLOT`` is one edge: the key ``net/l1/kernel~1.OPTIMIZER_SLOT/optimizer/m``. TF1 names stay as written (``dense/kernel``).
+a value, so ``kernel/.OPTIMIZER_SLOT`` is one edge: the key is
+``net/l1/kernel~1.OPTIMIZER_SLOT/optimizer/m``. TF1 names stay as written (``dense/kernel``).
 Partitioned TF1 variables are read whole, assembled from the slices that TensorFlow stores under
 keys made by ``EncodeTensorNameSlice``; those slice entries are not listed.
 """
@@ -75,6 +76,7 @@ _DTYPES: dict[int, np.dtype] = {
     22: np.dtype("uint32"),
     23: np.dtype("uint64"),
 }
+_DT_STRING = 7
 # Values with no numpy form: listed as skipped, under these names.
 _DTYPE_NAMES = {
     7: "DT_STRING",
@@ -533,9 +535,9 @@ class Reader:
             return out
         return self._read_entry(key, entry)
 
-    def _read_entry(self, key: str, entry: _Entry) -> np.ndarray:
-        """The bytes of one stored value, its size checked against its shard before they are read."""
-        dtype = _DTYPES[entry.dtype]
+    def _open_shard(self, key: str, entry: _Entry) -> tuple[str, int]:
+        """The data shard that holds ``entry`` (its path, an open descriptor), checked to be long
+        enough to hold it: a truncated shard is refused before any memory is allocated."""
         shard = _shard_path(self.path, entry.shard_id, self.num_shards)
         try:
             fd = os.open(shard, os.O_RDONLY)
@@ -543,13 +545,22 @@ class Reader:
             raise CheckpointCorruptedError(
                 f"{self.path!r}: {key!r} is in the data shard {shard!r}, which is missing"
             ) from None
+        except OSError as e:
+            raise StorageError(f"Cannot read {shard!r} (for {key!r}): {e.strerror or e}", e.errno) from None
+        available = os.fstat(fd).st_size
+        if entry.offset > available or entry.size > available - entry.offset:
+            os.close(fd)
+            raise CheckpointCorruptedError(
+                f"{self.path!r}: {key!r} is {entry.size} bytes at offset {entry.offset} of {shard!r}, "
+                f"which is only {available} bytes (truncated?)"
+            )
+        return shard, fd
+
+    def _read_entry(self, key: str, entry: _Entry) -> np.ndarray:
+        """The bytes of one stored value, its size checked against its shard before they are read."""
+        dtype = _DTYPES[entry.dtype]
+        shard, fd = self._open_shard(key, entry)
         try:
-            available = os.fstat(fd).st_size
-            if entry.offset > available or entry.size > available - entry.offset:
-                raise CheckpointCorruptedError(
-                    f"{self.path!r}: {key!r} is {entry.size} bytes at offset {entry.offset} of {shard!r}, "
-                    f"which is only {available} bytes (truncated?)"
-                )
             buf = bytearray(entry.size)
             view, done = memoryview(buf), 0
             while done < entry.size:
@@ -578,7 +589,7 @@ class Reader:
         entry = self._entries.get(OBJECT_GRAPH_KEY)
         if entry is None:
             return []
-        if entry.dtype != 7 or entry.shape != ():
+        if entry.dtype != _DT_STRING or entry.shape != ():
             raise self._fail(f"{OBJECT_GRAPH_KEY} is not a scalar string (dtype {entry.dtype}, shape {entry.shape})")
         if entry.shard_id >= self.num_shards:
             raise self._fail(f"{OBJECT_GRAPH_KEY} is in data shard {entry.shard_id} of {self.num_shards}")
@@ -606,7 +617,7 @@ class Reader:
         paths: dict[int, str] = {0: ""}
         queue = [0]
         for node in queue:
-            if node >= len(nodes):
+            if not 0 <= node < len(nodes):
                 raise self._fail(f"{OBJECT_GRAPH_KEY} refers to object {node}, but has {len(nodes)}")
             for child, local in nodes[node]:
                 if child not in paths:
@@ -617,21 +628,12 @@ class Reader:
     def _read_string(self, key: str, entry: _Entry) -> bytes:
         """A scalar DT_STRING: [varint64 length][masked CRC-32C of the length][bytes]; the entry's
         CRC covers the length (as 4 bytes), that masked CRC, then the bytes."""
-        shard = _shard_path(self.path, entry.shard_id, self.num_shards)
-        try:
-            with builtins.open(shard, "rb") as f:
-                available = os.fstat(f.fileno()).st_size
-                if entry.offset > available or entry.size > available - entry.offset:
-                    raise CheckpointCorruptedError(
-                        f"{self.path!r}: {key!r} is {entry.size} bytes at offset {entry.offset} of {shard!r}, "
-                        f"which is only {available} bytes (truncated?)"
-                    )
-                f.seek(entry.offset)
-                data = f.read(entry.size)
-        except FileNotFoundError:
-            raise CheckpointCorruptedError(
-                f"{self.path!r}: {key!r} is in the data shard {shard!r}, which is missing"
-            ) from None
+        shard, fd = self._open_shard(key, entry)
+        with builtins.open(fd, "rb") as f:
+            f.seek(entry.offset)
+            data = f.read(entry.size)
+        if len(data) != entry.size:
+            raise CheckpointCorruptedError(f"{self.path!r}: {key!r}: {shard!r} ended while reading it")
         try:
             length, pos = _varint(data, 0, len(data))
         except _Malformed as e:
