@@ -46,7 +46,7 @@ from jaxckpt._errors import (
     StorageError,
     UnsupportedVersionError,
 )
-from jaxckpt._format import ArrayLeaf, InPack, Leaf, ValueLeaf
+from jaxckpt._format import ArrayLeaf, InForeign, InPack, Leaf, ValueLeaf
 from jaxckpt._inspect import (
     CheckpointView,
     ManagerView,
@@ -310,6 +310,8 @@ def _describe(leaf: Leaf) -> list[str]:
 
 def _where(leaf: ArrayLeaf) -> str:
     at = leaf.at
+    if isinstance(at, InForeign):
+        return "in a checkpoint of another library (read-only; read whole)"
     if isinstance(at, InPack):
         return f"packed: pack {at.pack}, bytes {at.offset}..{at.offset + at.nbytes}, crc32 {at.crc32:08x}"
     return f"zarr3 array {at.path}/ (stored as {at.stored}, each chunk with a crc32c)"

@@ -26,6 +26,7 @@ from jaxckpt._errors import (
     CheckpointNotFoundError,
     MismatchError,
     MissingKeyError,
+    NotACheckpointError,
     UnsupportedValueError,
 )
 from jaxckpt._format import (
@@ -641,7 +642,15 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Opened:
         module = _formats.detect(location.local)
         if module is not None:
             return ForeignOpened(_formats.ForeignCheckpoint(module.open(str(location.local))))
-    return Opened(path)
+    try:
+        return Opened(path)
+    except NotACheckpointError as e:
+        if location.local is None:
+            raise
+        raise NotACheckpointError(
+            f"{e} Nor is it a checkpoint of another library that jaxckpt reads: a TensorFlow prefix (with "
+            "PREFIX.index beside it), an Orbax checkpoint folder, a Flax msgpack or a safetensors file."
+        ) from None
 
 
 KeyMap = Callable[[str, Any], "tuple[str, Any] | None"]
@@ -714,14 +723,7 @@ def open_latest(path: str | os.str | os.PathLike[str][str]) -> Opened:
     TensorFlow's, Orbax's or Flax's manager keeps."""
     location = _storage.location(path)
     if not _storage.is_checkpoint(location):
-        infos = _statefile.read_state(os.fspath(path))  # None: no state file, so not a manager's directory
-        if infos is not None:
-            if not infos:
-                raise CheckpointNotFoundError(
-                    f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
-                )
-            return Opened(infos[-1].path)
-        foreign = _foreign_manager(location)
+        foreign = _foreign_manager(location)  # first: TensorFlow's state file has jaxckpt's name
         if foreign is not None:
             module, latest = foreign
             if latest is None:
@@ -729,6 +731,13 @@ def open_latest(path: str | os.str | os.PathLike[str][str]) -> Opened:
                     f"{os.fspath(path)!r} is a {module.NAME} manager's directory with no complete checkpoint in it."
                 )
             return open_checkpoint(latest)
+        infos = _statefile.read_state(os.fspath(path))  # None: no state file, so not a manager's directory
+        if infos is not None:
+            if not infos:
+                raise CheckpointNotFoundError(
+                    f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
+                )
+            return Opened(infos[-1].path)
     return open_checkpoint(path)
 
 
@@ -758,8 +767,5 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     ``checkpoint`` file: ``".../tf_ckpts/ckpt-5"``), Orbax's (the newest finished step folder) and
     ``flax.training.checkpoints``' (the newest ``checkpoint_<step>`` file).
     """
-    found = _statefile.latest_checkpoint(directory)
-    if found is not None or _statefile.read_state(os.fspath(directory)) is not None:
-        return found
     foreign = _foreign_manager(_storage.location(directory))
-    return None if foreign is None else foreign[1]
+    return _statefile.latest_checkpoint(directory) if foreign is None else foreign[1]

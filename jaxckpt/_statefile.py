@@ -111,7 +111,7 @@ def read_full_state(directory: str) -> tuple[list[CheckpointInfo], float | None]
     try:
         doc = json.loads(text)
     except (ValueError, RecursionError) as e:  # not JSON, too deeply nested, or an integer of over 4300 digits
-        hint = " (it looks like a TensorFlow state file)" if text.startswith("model_checkpoint_path") else ""
+        hint = " (it looks like a TensorFlow state file)" if is_tensorflow_state(data) else ""
         raise _bad_state(where, f"it is not JSON{hint}: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT:
         raise _bad_state(where, f'it has no "format": "{STATE_FORMAT}"')
@@ -188,7 +188,14 @@ def record(directory: str, path: str, step: int, when: float) -> None:
 def is_manager_directory(path: PathLike) -> bool:
     """A folder with a manager's state file and no index of its own."""
     folder = _storage.location(path)
-    return _storage.read_file(folder, STATE_FILE) is not None and not _storage.is_checkpoint(folder)
+    data = _storage.read_file(folder, STATE_FILE)
+    return data is not None and not is_tensorflow_state(data) and not _storage.is_checkpoint(folder)
+
+
+def is_tensorflow_state(data: bytes) -> bool:
+    """Whether a ``checkpoint`` file is TensorFlow's text state file (same name as jaxckpt's), which
+    the TensorFlow reader reads (jaxckpt._formats.tensorflow) and a manager never writes over."""
+    return data.lstrip().startswith(b"model_checkpoint_path")
 
 
 def latest_checkpoint(directory: PathLike) -> str | None:

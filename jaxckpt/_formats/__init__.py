@@ -35,13 +35,16 @@ from jaxckpt._errors import CheckpointFormatError
 from jaxckpt._format import ArrayLeaf, Index, Leaf
 from jaxckpt._tree import DICT, NodeInfo, escape_edge, join
 
+EMPTY_DICT = "empty dict"
+
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One value of a foreign checkpoint: where it is in the tree, and its record.
 
     ``leaf`` is None for a value that has no numpy form; ``note`` then says what it holds
-    (``"DT_VARIANT"``, ``"DT_STRING"``) and ``shape`` its shape, for listings.
+    (``"DT_VARIANT"``, ``"DT_STRING"``) and ``shape`` its shape, for listings. With ``note`` set to
+    :data:`EMPTY_DICT` it is an empty container instead (restored as ``{}``).
     """
 
     edges: tuple[str, ...]
@@ -114,7 +117,8 @@ class ForeignCheckpoint:
                 raise CheckpointFormatError(
                     f"{self.path!r}: the key {key!r} appears twice in this {self.name} checkpoint"
                 )
-            if entry.leaf is None:  # listed, never part of the tree that restore builds
+            empty = entry.leaf is None and entry.note == EMPTY_DICT
+            if entry.leaf is None and not empty:  # listed, never part of the tree that restore builds
                 self.skipped[key] = entry
                 continue
             for parent, edge, below in zip(["", *keys], entry.edges, keys):
@@ -123,9 +127,10 @@ class ForeignCheckpoint:
                         f"{self.path!r}: {key!r} is below {parent!r}, which is itself a value in this {self.name} checkpoint"
                     )
                 children[parent].setdefault(edge)
-                if below != key:
+                if below != key or empty:
                     children.setdefault(below, {})
-            leaves[key] = entry.leaf
+            if entry.leaf is not None:
+                leaves[key] = entry.leaf
         nodes = {key: NodeInfo(DICT, "dict", tuple(edges)) for key, edges in children.items()}
         self.index = Index(nodes, leaves, [], {"format": self.name}, version=0)
 
