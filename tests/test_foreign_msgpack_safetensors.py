@@ -459,6 +459,7 @@ def tensor(dtype="F32", shape=(2,), offsets=(0, 8)) -> dict:
     [
         ({"w.weight": tensor(offsets=(0, 8))}, b"\x00" * 5, CheckpointCorruptedError, r"'w.weight'.*truncated"),
         ({"w.weight": tensor(offsets=(100, 108))}, b"\x00" * 8, CheckpointCorruptedError, r"'w.weight'.*\[100, 108\)"),
+        ({"e": tensor(shape=(0,), offsets=(9, 9))}, b"\x00" * 8, CheckpointCorruptedError, r"'e'.*\[9, 9\)"),
         ({"a": tensor(), "b": tensor(offsets=(4, 12))}, b"\x00" * 12, CheckpointFormatError, r"'a'.*'b'.*overlap"),
         ({"w.weight": tensor(dtype="F128")}, b"\x00" * 8, CheckpointFormatError, r"'w.weight'.*dtype.*'F128'"),
         ({"w.weight": tensor(dtype=3)}, b"\x00" * 8, CheckpointFormatError, r"'w.weight'.*dtype"),

@@ -184,6 +184,7 @@ class SafetensorsReader:
             raise self._error(f"expected the header to be a JSON object, found a {type(header).__name__}")
         data_start, data_len = 8 + n, size - 8 - n
         spans: list[tuple[int, int, str]] = []
+        every: list[tuple[int, int, str]] = []  # empty tensors too
         for name, info in header.items():
             if name == METADATA_KEY:
                 self.metadata = self._metadata(info)
@@ -191,14 +192,17 @@ class SafetensorsReader:
             dtype, shape, begin, end = self._tensor(name, info)
             if end > begin:
                 spans.append((begin, end, name))
+            every.append((begin, end, name))
             self._tensors[name] = (dtype, shape, data_start + begin, end - begin)
         spans.sort()
         for (b0, e0, n0), (b1, _, n1) in itertools.pairwise(spans):  # sorted by begin: adjacent pairs suffice
             if b1 < e0:
                 raise self._error(f"the bytes of tensor {n0!r} [{b0}, {e0}) and of tensor {n1!r} [{b1}, ...) overlap")
-        if spans and spans[-1][1] > data_len:
-            # Offsets that are consistent with each other but run past the end: the file was cut.
-            cut = next(s for s in spans if s[1] > data_len)
+        # Offsets that are consistent with each other but run past the end: the file was cut. (Empty
+        # tensors count too: their offsets must also lie within the data section.)
+        beyond = sorted(t for t in every if t[1] > data_len)
+        if beyond:
+            cut = beyond[0]
             raise CheckpointCorruptedError(
                 f"{self.path!r}: tensor {cut[2]!r} needs bytes [{cut[0]}, {cut[1]}) of the data section, "
                 f"which holds only {data_len:,} bytes; the file is truncated."
