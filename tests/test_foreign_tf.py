@@ -57,12 +57,21 @@ def test_values_match_tensorflow_bit_for_bit(fixture: str) -> None:
     ours = {key: leaf.shape for key, leaf in checkpoint.index.leaves.items()}
     ours |= {key: entry.shape for key, entry in checkpoint.skipped.items()}
     assert ours == {key_of(name): shape for name, shape in listed.items()}
-    assert set(values) | set(info["unreadable"]) == set(listed)
+    strings = {name: shape for name, shape in info["strings"].items() if name != tf_format.OBJECT_GRAPH_KEY}
+    assert set(values) | set(info["unreadable"]) | set(strings) == set(listed)
+    for name, shape in strings.items():  # TensorFlow's string tensors: listed, not read
+        entry = checkpoint.skipped[key_of(name)]
+        assert entry.leaf is None and entry.note == "DT_STRING" and entry.shape == tuple(shape)
     for name, value in values.items():
         array = checkpoint.read(key_of(name))
         assert str(array.dtype) == info["dtypes"][name], name
         assert array.shape == value.shape, name
         assert array.tobytes() == value.tobytes(), name  # bit for bit (bfloat16 is stored as raw bytes)
+
+
+def test_tf1_string_variable_is_skipped() -> None:
+    checkpoint = ForeignCheckpoint(tf_format.open(expected("tf1")[0]))
+    assert checkpoint.skipped["vocab"].note == "DT_STRING" and "vocab" not in checkpoint.index.leaves
 
 
 def test_formats_are_named() -> None:

@@ -34,6 +34,7 @@ def expected(prefix: str, out_dir: str, extra: dict) -> None:
     listing = tf.train.list_variables(prefix)
     values = {}
     unreadable = {}  # what TensorFlow itself cannot turn into numpy (DT_VARIANT iterator state)
+    strings = {}  # name -> shape of string tensors
     for name, _shape in listing:
         try:
             value = tf.train.load_variable(prefix, name)
@@ -42,7 +43,9 @@ def expected(prefix: str, out_dir: str, extra: dict) -> None:
             continue
         if isinstance(value, np.ndarray) and value.dtype != object:
             values[name] = value
-        elif np.isscalar(value) and not isinstance(value, bytes | str):
+        elif isinstance(value, bytes) or (isinstance(value, np.ndarray) and value.dtype == object):
+            strings[name] = np.asarray(value, dtype=object).shape  # DT_STRING: no numpy form
+        else:
             values[name] = np.asarray(value)
     stem = os.path.basename(prefix)
     np.savez(os.path.join(out_dir, f"{stem}.expected.npz"), **values)
@@ -51,6 +54,7 @@ def expected(prefix: str, out_dir: str, extra: dict) -> None:
         "list_variables": [[name, list(shape)] for name, shape in listing],
         "dtypes": {name: str(v.dtype) for name, v in values.items()},
         "unreadable": unreadable,
+        "strings": {name: list(shape) for name, shape in strings.items()},
         "versions": {"tensorflow": tf.__version__, "numpy": np.__version__, "python": sys.version.split()[0]},
         **extra,
     }
@@ -150,6 +154,7 @@ def make_tf1() -> None:
             v1.get_variable("flags", initializer=np.array([True, False, True]))
             v1.get_variable("scalar", initializer=np.float32(2.5))
             v1.get_variable("cplx", initializer=np.array([1 + 2j, -3.5j], dtype=np.complex64))
+            v1.Variable([b"alpha", b"beta"], name="vocab")  # DT_STRING: listed, not read
             part = v1.get_variable(
                 "part",
                 shape=(10, 3),
