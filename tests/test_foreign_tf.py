@@ -428,3 +428,25 @@ def test_a_damaged_object_graph_is_named(tmp_path: Path) -> None:
     assert ForeignCheckpoint(reader).read("net/l1/bias").shape == (5,)
     with pytest.raises(CheckpointCorruptedError, match="'_CHECKPOINTABLE_OBJECT_GRAPH' fails its checksum"):
         reader.objects  # noqa: B018
+
+
+def test_a_partition_claiming_a_terabyte_is_refused_without_allocating(tmp_path: Path) -> None:
+    rows = 2**38  # float32 rows of 3: 3 TiB in two slices
+    half = rows // 2
+    entries = [header()]
+    for start in (0, half):
+        key = tf_format.encode_tensor_name_slice("p", ((start, half), (0, -1)))
+        entries.append((key, entry_proto(1, (half, 3), half * 12)))
+    slices = (((0, half), (0, -1)), ((half, half), (0, -1)))
+    entries.append((b"p", entry_proto(1, (rows, 3), 0, slices=slices)))
+    write_index(tmp_path / "c.index", entries)
+    (tmp_path / "c.data-00000-of-00001").write_bytes(bytes(64))
+    checkpoint = ForeignCheckpoint(tf_format.open(str(tmp_path / "c")))
+    assert checkpoint.index.leaves["p"].shape == (rows, 3)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointCorruptedError, match=r"'p' is 1649267441664 bytes .* only 64 bytes"):
+            checkpoint.read("p")
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()

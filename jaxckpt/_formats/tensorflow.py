@@ -523,10 +523,13 @@ class Reader:
         if entry is None or entry.dtype not in _DTYPES:
             raise CheckpointFormatError(f"{self.path!r}: {key!r} is not a value of this TensorFlow checkpoint")
         if entry.slices:
+            pieces = [self._slices[encode_tensor_name_slice(name, extents)] for extents in entry.slices]
+            for piece in pieces:  # every slice's shard holds it, before the whole is allocated
+                _, fd = self._open_shard(key, piece)
+                os.close(fd)
             out = np.empty(entry.shape, _DTYPES[entry.dtype])
-            filled = np.zeros(entry.shape, bool)
-            for extents in entry.slices:
-                piece = self._slices[encode_tensor_name_slice(name, extents)]
+            filled = np.zeros(entry.shape, bool)  # slices sum to the whole (checked at open): none overlap
+            for extents, piece in zip(entry.slices, pieces):
                 where = tuple(slice(start, start + length) if length >= 0 else slice(None) for start, length in extents)
                 if filled[where].any():
                     raise CheckpointFormatError(f"{self.path!r}: {key!r} has overlapping slices")
