@@ -418,33 +418,73 @@ def resolve(pending: Any) -> np.ndarray:
 # field they pass; these functions only run them, and name what failed by ``what`` (the key, the
 # file): a missing or damaged chunk is CheckpointCorruptedError, a refusing storage StorageError.
 
+# The cache that OCDBT databases of foreign checkpoints keep their manifest and B-tree nodes in:
+# without it every array opened re-reads them (Orbax keeps a model's thousands of arrays in one
+# database, so opening each would cost milliseconds). Chunks are still not cached.
+_FOREIGN_INDEX_CACHE = "cache_pool#foreign_index"
+_FOREIGN_INDEX_CACHE_BYTES = 32 << 20
+_FOREIGN_CONTEXT: ts.Context | None = None
 
-def read_foreign_file(base: dict[str, Any], key: str, limit: int, what: str) -> bytes | None:
-    """The value at ``key`` under kvstore ``base`` (None if there is none), refused with
-    CheckpointFormatError if it is over ``limit`` bytes: only the byte past the limit is fetched
-    before that is known, so a crafted huge file costs nothing."""
+
+def _foreign_context() -> ts.Context:
+    global _FOREIGN_CONTEXT
+    if _FOREIGN_CONTEXT is None:
+        _FOREIGN_CONTEXT = ts.Context(
+            {
+                "cache_pool": {"total_bytes_limit": 0},
+                _FOREIGN_INDEX_CACHE: {"total_bytes_limit": _FOREIGN_INDEX_CACHE_BYTES},
+            }
+        )
+    return _FOREIGN_CONTEXT
+
+
+def foreign_ocdbt(folder: str) -> dict[str, Any]:
+    """The kvstore spec of the OCDBT database in local ``folder`` (its ``manifest.ocdbt``)."""
+    return {
+        "driver": "ocdbt",
+        "base": {"driver": "file", "path": folder.rstrip("/") + "/"},
+        "cache_pool": _FOREIGN_INDEX_CACHE,
+    }
+
+
+def read_foreign_files(base: dict[str, Any], requests: Sequence[tuple[str, str]], limit: int) -> list[bytes | None]:
+    """The value of each (key, what) under kvstore ``base`` (None where there is none), all read at
+    once; one over ``limit`` bytes is refused with CheckpointFormatError naming its ``what``. Only the
+    byte past the limit is fetched before that is known, so a crafted huge file costs nothing."""
     try:
-        store = _kv(base)
+        store = ts.KvStore.open(base, context=_foreign_context()).result()
+    except Exception as e:
+        raise failure(requests[0][1] if requests else "a data store", e) from e
+    probes = [store.read(key, byte_range=slice(limit, limit + 1)) for key, _ in requests]
+    present = []
+    for (_, what), probe in zip(requests, probes):
         try:
-            beyond = store.read(key, byte_range=slice(limit, limit + 1)).result()
+            beyond = probe.result()
         except Exception as e:
             if status_code(e) != "OUT_OF_RANGE":  # OUT_OF_RANGE: shorter than the limit
-                raise
+                raise failure(what, e) from e
         else:
             if beyond.state == "missing":
-                return None
+                present.append(False)
+                continue
             if beyond.value:
                 raise CheckpointFormatError(f"{what} is larger than {limit} bytes: it is damaged or crafted.")
-        result = store.read(key).result()
-    except Exception as e:
-        raise failure(what, e) from e
-    return bytes(result.value) if result.state == "value" else None
+        present.append(True)
+    reads = [store.read(key) if here else None for (key, _), here in zip(requests, present)]
+    out: list[bytes | None] = []
+    for (_, what), read in zip(requests, reads):
+        try:
+            result = read.result() if read is not None else None
+        except Exception as e:
+            raise failure(what, e) from e
+        out.append(bytes(result.value) if result is not None and result.state == "value" else None)
+    return out
 
 
 def open_foreign_array(spec: dict[str, Any], what: str) -> ts.TensorStore:
     """Open (never create) the array of ``spec``; its metadata must match the constraints in it."""
     try:
-        return ts.open(spec, open=True, context=_context()).result()
+        return ts.open(spec, open=True, context=_foreign_context()).result()
     except Exception as e:
         raise failure(what, e) from e
 

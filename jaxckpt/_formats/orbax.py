@@ -28,8 +28,8 @@ What is not read
     Checkpoints without ``_METADATA`` (Orbax before 0.5 kept the tree in a msgpack file
     ``checkpoint``): refused with a CheckpointFormatError that says so. Items of other handlers
     (``ArrayCheckpointHandler``, ``ProtoCheckpointHandler``, custom ones), leaves of custom
-    ``TypeHandler`` value types, placeholders and empty containers are listed as skipped with what
-    they are. Only checkpoints on a local file system (paths, not ``gs://`` URLs).
+    ``TypeHandler`` value types and placeholders are listed as skipped with what they are. Empty
+    containers (``{}``, ``[]``) are empty dicts. Only checkpoints on a local file system (paths, not ``gs://`` URLs).
 
 What is checked (a checkpoint is untrusted input)
     ``_METADATA``, ``_CHECKPOINT_METADATA``, JSON items, ``_strings.json`` and every ``.zarray`` /
@@ -72,7 +72,7 @@ from jaxckpt._errors import (
     StorageError,
 )
 from jaxckpt._format import DTYPES, MAX_DEPTH, MAX_RANK, NUMPY, ArrayLeaf, InForeign, ValueLeaf
-from jaxckpt._formats import Entry
+from jaxckpt._formats import EMPTY_DICT, Entry
 
 NAME = "Orbax"
 
@@ -99,8 +99,9 @@ _ZARR3_FIELDS = frozenset(
     | {"attributes", "dimension_names", "storage_transformers"}
 )
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
-_EMPTY_TYPES = {"Dict": "empty dict", "List": "empty list", "Tuple": "empty tuple", "NamedTuple": "empty namedtuple"}
-_EMPTY_TYPES["Unknown"] = "empty container of an unknown type"
+# Empty containers: nodes of the tree, with no values below. Every node of a foreign checkpoint is a
+# dict (a list's edges are its indices), so each is an empty dict.
+_EMPTY_TYPES = frozenset({"Dict", "List", "Tuple", "NamedTuple"})
 
 
 # --- finding checkpoints: names only --------------------------------------------------------------
@@ -345,10 +346,11 @@ class Reader:
                         "missing: the checkpoint is incomplete or was partly deleted."
                     )
                 self._item(folder, (item,), handler if isinstance(handler, str) else "")
-        else:  # older step folders: every subfolder that holds an item
+        else:  # older step folders: every subfolder that holds a PyTree or JSON item
             for item in sorted(names):
                 folder = os.path.join(path, item)
-                if os.path.isdir(folder):
+                inside = _names(folder)
+                if os.path.isdir(folder) and (_is_item(inside) or JSON_ITEM_FILE in inside):
                     self._item(folder, (item,), "")
         if not self._entries and not handlers:
             raise NotACheckpointError(f"{path!r} holds no Orbax item (no {TREE_METADATA}, no JSON item).")
@@ -376,7 +378,7 @@ class Reader:
         if isinstance(value, dict | list):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             if not value:
-                self._entries.append(Entry(edges, None, note=f"empty {type(value).__name__}"))
+                self._entries.append(Entry(edges, None, note=EMPTY_DICT))
             for k, v in items:
                 self._json(v, (*edges, str(k)), what, depth + 1)
             return
@@ -405,10 +407,13 @@ class Reader:
                     f"The Orbax item {folder!r} keeps its arrays in an OCDBT database (use_ocdbt in {TREE_METADATA}) "
                     "but has no manifest.ocdbt: it is incomplete or was partly deleted."
                 )
-            kvstore: dict[str, Any] = {"driver": "ocdbt", "base": {"driver": "file", "path": absolute}}
+            kvstore: dict[str, Any] = _arrayio.foreign_ocdbt(absolute)
         else:
             kvstore = {"driver": "file", "path": absolute}
         strings: dict[str, Any] | None = None
+        # Arrays are listed first and their zarr metadata read all at once, then made entries in place.
+        slots: list[Entry | None] = []
+        arrays: list[tuple[int, tuple[str, ...], str, str, str, dict[str, Any], str]] = []
         for tree_key, record in meta["tree_metadata"].items():
             what = f"{where}, leaf {tree_key[:200]!r}"
             if not isinstance(record, dict) or not isinstance(record.get("value_metadata"), dict):
@@ -434,14 +439,14 @@ class Reader:
             full = (*prefix, *edges)
             # None and empty containers are saved as skip_deserialize: their value type is all there is.
             if kind == "None":
-                self._entries.append(Entry(full, ValueLeaf("none", None)))
+                slots.append(Entry(full, ValueLeaf("none", None)))
             elif kind in _EMPTY_TYPES:
-                self._entries.append(Entry(full, None, note=_EMPTY_TYPES[kind]))
+                slots.append(Entry(full, None, note=EMPTY_DICT))
             elif value.get("skip_deserialize") is True:
-                self._entries.append(Entry(full, None, note="not saved (skip_deserialize)"))
+                slots.append(Entry(full, None, note="not saved (skip_deserialize)"))
             elif kind in _ARRAY_TYPES:
-                name = _leaf_name(edges, f"{what} ({file!r})")
-                self._array(full, key, name, kind, value, kvstore, flags, what)
+                arrays.append((len(slots), full, key, _leaf_name(edges, f"{what} ({file!r})"), kind, value, what))
+                slots.append(None)
             elif kind == "string":
                 if strings is None:
                     strings = _read_json(os.path.join(folder, STRINGS_FILE), METADATA_LIMIT, "Orbax's strings")
@@ -450,9 +455,18 @@ class Reader:
                 text = strings.get(".".join(edges))
                 if not isinstance(text, str):
                     raise CheckpointCorruptedError(f"{what}: its string is missing from {STRINGS_FILE} in {folder!r}.")
-                self._entries.append(Entry(full, ValueLeaf("str", text)))
+                slots.append(Entry(full, ValueLeaf("str", text)))
             else:
-                self._entries.append(Entry(full, None, note=f"Orbax value type {kind[:100]!r}"))
+                slots.append(Entry(full, None, note=f"Orbax value type {kind[:100]!r}"))
+        metadata_file = "zarr.json" if flags["use_zarr3"] else ".zarray"
+        raws = _arrayio.read_foreign_files(
+            kvstore,
+            [(f"{a[3]}/{metadata_file}", f"{a[6]} ({a[3] + '/' + metadata_file!r})") for a in arrays],
+            ZARR_METADATA_LIMIT,
+        )
+        for (slot, full, key, name, kind, value, what), raw in zip(arrays, raws):
+            slots[slot] = self._array(full, key, name, kind, value, kvstore, flags, what, raw)
+        self._entries.extend(entry for entry in slots if entry is not None)
 
     def _array(
         self,
@@ -464,11 +478,12 @@ class Reader:
         kvstore: dict[str, Any],
         flags: dict[str, bool],
         what: str,
-    ) -> None:
+        raw: bytes | None,
+    ) -> Entry:
+        """The entry of an array leaf, from ``raw``, its zarr metadata."""
         zarr3 = flags["use_zarr3"]
         file = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
         where = f"{what} ({file!r})"
-        raw = _arrayio.read_foreign_file(kvstore, file, ZARR_METADATA_LIMIT, where)
         if raw is None:
             raise CheckpointCorruptedError(f"{what}: its array metadata {file!r} is missing from the checkpoint.")
         meta = _parse_json(raw, where)
@@ -494,9 +509,8 @@ class Reader:
         leaf = ArrayLeaf(dtype, shape, NUMPY, InForeign(ArrayRef(spec, name)))
         if kind == "scalar":  # a Python int or float: read now, for its ValueLeaf
             number = self.read(key, leaf).item()
-            self._entries.append(Entry(edges, ValueLeaf(type(number).__name__, number)))
-        else:
-            self._entries.append(Entry(edges, leaf))
+            return Entry(edges, ValueLeaf(type(number).__name__, number))
+        return Entry(edges, leaf)
 
     # -- the Foreign protocol --
 
