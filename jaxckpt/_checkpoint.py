@@ -194,9 +194,14 @@ class RestoreStatus:
     def __repr__(self) -> str:
         if self._opened is None:
             return "RestoreStatus(nothing restored)"
+        extra = ""
+        if self._mapped_source() is not None:
+            extra += f", key_map: {len(self.mapped_keys)} mapped, {len(self.dropped_keys)} dropped"
+        if self._opened.skipped:
+            extra += f", {len(self._opened.skipped)} skipped (no numpy form)"
         return (
             f"RestoreStatus({str(self._opened.path)!r}: {len(self._used)} matched, "
-            f"{len(self.unused_keys)} unused, {len(self._missing)} missing)"
+            f"{len(self.unused_keys)} unused, {len(self._missing)} missing{extra})"
         )
 
 

@@ -58,7 +58,7 @@ from jaxckpt._inspect import (
     selected,
 )
 from jaxckpt._progress import Progress, human_bytes
-from jaxckpt._restore import NO_TEMPLATE, Opened, open_latest
+from jaxckpt._restore import NO_TEMPLATE, ForeignOpened, Opened, open_latest
 from jaxckpt._statefile import is_manager_directory
 from jaxckpt._tree import describe
 
@@ -567,6 +567,7 @@ class Verified:
     path: str
     values: int = 0
     nbytes: int = 0
+    checked: str = "every checksum matches"  # what an OK means for this format
     damaged: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # key ("" for the index), message
     # Values the storage refused to give (permissions, a network error): not known to be damaged.
     unreadable: list[tuple[str, str]] = dataclasses.field(default_factory=list)
@@ -599,6 +600,8 @@ def verify(path: str, progress: Progress | None = None) -> Verified:
         return result
     leaves = opened.index.leaves
     result.values = len(leaves)
+    if isinstance(opened, ForeignOpened) and not getattr(opened.checkpoint.reader, "checksums", False):
+        result.checked = f"every size and offset checked ({opened.format} stores no checksums)"
     progress = progress or Progress(0, "", enabled=False)
     arrays = [k for k, v in leaves.items() if isinstance(v, ArrayLeaf)]
 
@@ -657,6 +660,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 {
                     "path": r.path,
                     "ok": r.ok,
+                    "checked": r.checked,
                     "values": r.values,
                     "nbytes": r.nbytes,
                     "damaged": [{"key": k, "error": m} for k, m in r.damaged],
@@ -668,7 +672,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     else:
         for r in results:
             if r.ok:
-                print(f"OK       {r.path}: {r.values} values, {human_bytes(r.nbytes)} read, every checksum matches")
+                print(f"OK       {r.path}: {r.values} values, {human_bytes(r.nbytes)} read, {r.checked}")
             for label, found in (("DAMAGED", r.damaged), ("UNREADABLE", r.unreadable)):
                 if found:
                     print(f"{label:<9}{r.path}:")

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar
 
 from jaxckpt._errors import MismatchError, MissingKeyError, UnsupportedValueError
-from jaxckpt._restore import Opened, _expected, _what, check
+from jaxckpt._restore import _expected, _what, check, open_checkpoint
 from jaxckpt._tree import DICT, LIST, NNX, TUPLE, NodeInfo, describe, edges_for, flatten, join, rebuild
 
 T = TypeVar("T")
@@ -189,7 +189,7 @@ def restore_slots(path: str | os.PathLike[str], target: T, *, prefix: str = "") 
     Returns:
         ``(restored, report)``: the target with the matched slots restored, and a :class:`SlotReport`.
     """
-    opened = Opened(path)
+    opened = open_checkpoint(path)
     index = opened.index
     if prefix not in index.nodes and prefix not in index.leaves:
         top = sorted({k.split("/", 1)[0] for k in index.leaves})

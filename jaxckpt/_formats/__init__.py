@@ -58,6 +58,9 @@ class Foreign(Protocol):
 
     name: str  # the format as users know it: "TensorFlow (tf.train.Checkpoint)", "Orbax", ...
     path: str  # how messages name the checkpoint
+    # Optional (read with getattr, default False): whether every value read is checked against a
+    # checksum the format stores, so that ``jaxckpt verify`` can say so.
+    # checksums: bool
 
     def entries(self) -> list[Entry]:
         """Every value, in the checkpoint's own order."""

@@ -47,7 +47,7 @@ from jaxckpt._errors import (
     StorageError,
 )
 from jaxckpt._format import DTYPES, MAX_DEPTH, MAX_RANK, NUMPY, NUMPY_SCALAR, ArrayLeaf, InForeign, ValueLeaf
-from jaxckpt._formats import Entry
+from jaxckpt._formats import EMPTY_DICT, Entry
 
 NAME = "Flax msgpack"
 SUFFIX = ".msgpack"
@@ -314,7 +314,9 @@ class MsgpackReader:
             here = (*edges, edge)
             if isinstance(value, dict) and CHUNKED in value:
                 value = self._chunks(value, here)
-            if isinstance(value, (dict, list)):  # msgpack gives lists, never tuples (ExtType is one)
+            if isinstance(value, (dict, list)) and not value:  # an empty state dict ({} in flax's optax states)
+                self._entries.append(Entry(here, None, note=EMPTY_DICT))
+            elif isinstance(value, (dict, list)):  # msgpack gives lists, never tuples (ExtType is one)
                 self._walk(value, here)
             else:
                 self._entries.append(self._leaf(value, here))
