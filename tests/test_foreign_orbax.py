@@ -307,3 +307,61 @@ def test_old_layout_without_metadata_is_named(tmp_path):
         f.write(b"\x80")  # msgpack of {}
     with pytest.raises(CheckpointFormatError, match=r"before 0\.5"):
         orbax.open(path)
+
+
+def test_deleted_chunk_in_ocdbt(tmp_path):
+    import tensorstore as ts  # the test damages the database; the reader itself never imports it
+
+    path = copy(tmp_path, "zarr3")
+    store = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": path + "/"}}).result()
+    chunk = "params.dense.kernel/c/1/0"
+    assert store.read(chunk).result().state == "value"
+    store.delete_range(ts.KvStore.KeyRange(chunk, chunk + "\0")).result()
+    ckpt = ForeignCheckpoint(orbax.open(path))
+    with pytest.raises(CheckpointCorruptedError, match="params/dense/kernel"):
+        ckpt.read("params/dense/kernel")
+
+
+def test_missing_chunk_is_the_fill_value_when_orbax_skipped_such_chunks(tmp_path):
+    """Orbax before 0.6 did not store chunks equal to the fill value; its _METADATA says so."""
+    path = copy(tmp_path, "standard_no_ocdbt")
+    edit_json(os.path.join(path, "_METADATA"), lambda m: m.update(store_array_data_equal_to_fill_value=False))
+    os.remove(os.path.join(path, "layers.1.w", "0.0"))
+    got = read_all(path)
+    assert got["layers/1/w"].dtype == np.int32 and not got["layers/1/w"].any()
+
+
+def test_zarray_not_json(tmp_path):
+    path = copy(tmp_path, "standard_no_ocdbt")
+    with open(os.path.join(path, "params.embed", ".zarray"), "wb") as f:
+        f.write(b"\xff{not json")
+    with pytest.raises(CheckpointFormatError, match=r"params/embed.*\.zarray.*not valid JSON"):
+        orbax.open(path)
+
+
+def test_item_of_another_handler_is_listed_as_skipped(tmp_path):
+    path = copy(tmp_path, "run/30")
+    os.mkdir(os.path.join(path, "extra"))
+    handler = "orbax.checkpoint._src.handlers.proto_checkpoint_handler.ProtoCheckpointHandler"
+    edit_json(os.path.join(path, "_CHECKPOINT_METADATA"), lambda m: m["item_handlers"].update(extra=handler))
+    ckpt = ForeignCheckpoint(orbax.open(path))
+    assert ckpt.skipped["extra"].note == "Orbax item of ProtoCheckpointHandler"
+    assert "state/params/embed" in ckpt.index.leaves
+
+
+@pytest.mark.parametrize("fixture", ["standard", "standard_no_ocdbt"])
+def test_metadata_without_layout_flags(tmp_path, fixture, expected):
+    """Older _METADATA has no use_ocdbt / use_zarr3: OCDBT is recognised by its manifest."""
+    path = copy(tmp_path, fixture)
+    edit_json(os.path.join(path, "_METADATA"), lambda m: [m.pop("use_ocdbt"), m.pop("use_zarr3")])
+    got = read_all(path)
+    kernel = expected[1][f"{fixture}:params/dense/kernel"]
+    assert got["params/dense/kernel"].tobytes() == kernel.tobytes()
+
+
+def test_metadata_that_is_not_a_file(tmp_path):
+    path = copy(tmp_path, "standard")
+    os.remove(os.path.join(path, "_METADATA"))
+    os.mkfifo(os.path.join(path, "_METADATA"))  # opening it to read would block forever
+    with pytest.raises(CheckpointFormatError, match="not a regular file"):
+        orbax.open(path)

@@ -59,6 +59,7 @@ import json
 import math
 import os
 import re
+import stat
 from typing import Any
 
 import numpy as np
@@ -172,7 +173,7 @@ def latest(directory: str) -> str | None:
 # --- reading ------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: the spec is a dict
 class ArrayRef:
     """Where an array leaf is: the TensorStore spec that opens it, with its checked metadata as
     constraints, and its Orbax name for messages."""
@@ -184,6 +185,8 @@ class ArrayRef:
 def _read_json(file: str, limit: int, what: str) -> Any:
     """The JSON in ``file`` (at most ``limit`` bytes), or None if there is no such file."""
     try:
+        if not stat.S_ISREG(os.stat(file).st_mode):  # a FIFO would block, a device never end
+            raise CheckpointFormatError(f"{what} ({file!r}) is not a regular file: it is damaged or crafted.")
         with builtins.open(file, "rb") as f:
             data = f.read(limit + 1)
     except FileNotFoundError:
@@ -397,7 +400,9 @@ class Reader:
             raise CheckpointCorruptedError(f"The Orbax item {folder!r} has no {TREE_METADATA} file.")
         if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
             raise _fail(where, "a JSON object with 'tree_metadata'", meta)
-        flags = {k: meta.get(k, False) for k in ("use_ocdbt", "use_zarr3", "store_array_data_equal_to_fill_value")}
+        # Absent from _METADATA of older Orbax versions: their defaults then, OCDBT where its manifest is.
+        defaults = {"use_ocdbt": "manifest.ocdbt" in _names(folder), "use_zarr3": False}
+        flags = {k: meta.get(k, defaults.get(k, False)) for k in (*defaults, "store_array_data_equal_to_fill_value")}
         if not all(isinstance(v, bool) for v in flags.values()):
             raise _fail(where, "use_ocdbt, use_zarr3 and store_array_data_equal_to_fill_value as booleans", flags)
         absolute = os.path.abspath(folder) + "/"
