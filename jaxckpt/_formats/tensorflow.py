@@ -16,8 +16,8 @@ Keys: TensorFlow names split on ``/``. For ``tf.train.Checkpoint`` names the tra
 ``.ATTRIBUTES`` edge (``iterator/ITERATOR_STATE``), and ``_CHECKPOINTABLE_OBJECT_GRAPH`` is not a
 value: it is read for :attr:`Reader.objects`. A slot variable
 (``net/l1/kernel/.OPTIMIZER_SLOT/optimizer/m/...``) cannot sit below its variable, which is itself
-a value, so ``kernel/.OPTIMIZER_SLOT`` is one edge: the key is
-``net/l1/kernel~1.OPTIMIZER_SLOT/optimizer/m``. TF1 names stay as written (``dense/kernel``).
+a value: it goes below its optimizer and slot name, then the variable's path
+(``optimizer/m/net/l1/kernel``), as optax keeps ``mu`` and ``nu``. TF1 names stay as written (``dense/kernel``).
 Partitioned TF1 variables are read whole, assembled from the slices that TensorFlow stores under
 keys made by ``EncodeTensorNameSlice``; those slice entries are not listed.
 """
@@ -375,10 +375,14 @@ def edges_of(name: str) -> tuple[str, ...]:
     """The edges of a TensorFlow name: split on ``/``, object-based attribute suffixes dropped."""
     edges = name.split("/")
     if _OPTIMIZER_SLOT in edges[1:]:
-        # `var/.OPTIMIZER_SLOT/opt/m`: the variable `var` is itself a value, so its slots cannot be
-        # below it in a tree; they become its sibling `var/.OPTIMIZER_SLOT` (one edge, TF's spelling).
+        # `var/.OPTIMIZER_SLOT/opt/m/...`: the variable `var` is itself a value, so its slots cannot
+        # be below it. They go below the optimizer and the slot name, then the variable's path
+        # (`opt/m/var`), as optax keeps its slots (`opt_state/mu/<param path>`).
         i = edges.index(_OPTIMIZER_SLOT, 1)
-        edges = [*edges[: i - 1], f"{edges[i - 1]}/{_OPTIMIZER_SLOT}", *edges[i + 1 :]]
+        slot = edges[i + 1 :]
+        attributes = slot[-2:] if len(slot) >= 2 and slot[-2] == _ATTRIBUTES else []
+        slot = slot[: len(slot) - len(attributes)]
+        edges = [*slot, *edges[:i], *attributes]
     if len(edges) >= 3 and edges[-2] == _ATTRIBUTES and edges[-1] == _VARIABLE_VALUE:
         return tuple(edges[:-2])
     if len(edges) >= 3 and edges[-2] == _ATTRIBUTES:
@@ -395,6 +399,8 @@ def _shard_path(prefix: str, shard: int, num_shards: int) -> str:
 
 class Reader:
     """An opened TensorFlow checkpoint: its index parsed, values read on demand."""
+
+    checksums = True  # every value read is checked against its CRC-32C (jaxckpt verify says so)
 
     def __init__(self, prefix: str) -> None:
         self.path = prefix
