@@ -5,14 +5,16 @@ What is read
     ``PyTreeSave`` item of a ``CheckpointManager`` step): its ``_METADATA`` (JSON: for every leaf
     its tree path, as dict keys and sequence indices, and its value type) and, for each array, the
     zarr array that TensorStore wrote under the leaf's Orbax name (tree path joined by ``.``):
-    in one OCDBT database (``manifest.ocdbt`` with its ``ocdbt.process_*`` databases; the default
-    since Orbax 0.5) or as a folder per array; zarr v2 (``.zarray``, the default) or zarr3
-    (``zarr.json``, ``use_zarr3=True``). Arrays that were sharded over many devices are stored
+    in one OCDBT database (``manifest.ocdbt`` with its ``ocdbt.process_*`` databases, Orbax's
+    default) or as a folder per array (``use_ocdbt=False``); zarr v2 (``.zarray``, the default) or
+    zarr3 (``zarr.json``, ``use_zarr3=True``). Arrays that were sharded over many devices are stored
     whole by TensorStore (one zarr chunk per shard), so they are read whole here on any number of
     devices, as plain numpy arrays. ``bfloat16`` and the other ml_dtypes types come back as such.
 
     Python scalars (value type ``scalar``), strings (``_strings.json``) and ``None`` are
-    ``ValueLeaf`` records; numpy and jax arrays, 0-d ones included, are ``ArrayLeaf`` records.
+    ``ValueLeaf`` records; numpy and jax arrays, 0-d ones included, are ``ArrayLeaf`` records, whose
+    ``sharding`` says how a sharded array was laid out when saved (from ``_sharding``, for listings).
+    Empty containers (``{}``, ``[]``) are empty dicts.
 
     A JSON item (``JsonSave``; the file ``metadata`` in its folder): its values, a dict becoming
     nested keys (lists too, with their indices as edges).
@@ -21,38 +23,45 @@ What is read
     (``state/params/w``, ``meta/step``); items are those that ``_CHECKPOINT_METADATA`` names, or
     without it the subfolders that hold a PyTree or JSON item.
 
-    Tested against checkpoints written by Orbax 0.12.8 (jax 0.10.2, TensorStore 0.1.86); the layout
-    has been the same since Orbax added ``_METADATA`` with ``key_metadata`` (0.5, 2024).
+    Tested against checkpoints written by Orbax 0.12.8 (jax 0.10.2, TensorStore 0.1.86). Older
+    ``_METADATA`` files without the ``use_ocdbt`` / ``use_zarr3`` flags are read with Orbax's
+    defaults of then (OCDBT where there is a ``manifest.ocdbt``, zarr v2).
 
 What is not read
-    Checkpoints without ``_METADATA`` (Orbax before 0.5 kept the tree in a msgpack file
+    PyTree items without ``_METADATA`` (older Orbax kept the tree in a msgpack file
     ``checkpoint``): refused with a CheckpointFormatError that says so. Items of other handlers
     (``ArrayCheckpointHandler``, ``ProtoCheckpointHandler``, custom ones), leaves of custom
-    ``TypeHandler`` value types and placeholders are listed as skipped with what they are. Empty
-    containers (``{}``, ``[]``) are empty dicts. Only checkpoints on a local file system (paths, not ``gs://`` URLs).
+    ``TypeHandler`` value types and placeholders are listed as skipped with what they are. A JSON
+    item opened on its own (``run/30/meta``): open its step folder. Only checkpoints on a local
+    file system (paths, not ``gs://`` URLs).
 
 What is checked (a checkpoint is untrusted input)
     ``_METADATA``, ``_CHECKPOINT_METADATA``, JSON items, ``_strings.json`` and every ``.zarray`` /
-    ``zarr.json`` are read with a size limit and must parse; every field used is type-checked and
-    leaf names may not leave the checkpoint's folder. A zarr array may only use what Orbax writes:
-    a numeric dtype that jaxckpt knows, C order, no filters, no compressor or zstd / gzip / zlib /
-    blosc (zarr v2), the ``bytes`` / ``zstd`` / ``gzip`` / ``blosc`` / ``crc32c`` codecs, possibly
-    inside one ``sharding_indexed`` codec (zarr3); its rank is at most 64, its size at most 1 TiB,
-    each chunk at most the array's shape; a ``write_shape`` in ``_METADATA`` must fit the array, and
-    a ``scalar`` leaf must be 0-d. The array is then opened with that very metadata as TensorStore
-    constraints, and TensorStore's view (shape, dtype) must equal it before a byte is read; so
-    memory is only ever allocated for the array that the metadata declares.
+    ``zarr.json`` are read with a size limit (and only if they are regular files) and must parse;
+    every field used is type-checked, and leaf and item names may not leave the checkpoint's
+    folder. ``_sharding`` is informational: ignored if it does not parse. A zarr array may only use
+    what Orbax writes: a numeric dtype that jaxckpt knows, C order, no filters, no compressor or
+    zstd / gzip / zlib / blosc (zarr v2), the ``bytes`` / ``zstd`` / ``gzip`` / ``blosc`` /
+    ``crc32c`` codecs, possibly inside one ``sharding_indexed`` codec (zarr3); its rank is at most
+    64, its size at most 1 TiB, each chunk at most the array's shape; a ``write_shape`` in
+    ``_METADATA`` must fit the array, and a ``scalar`` leaf must be a 0-d number. The array is then
+    opened with that very metadata as TensorStore constraints, and TensorStore's view (shape, dtype)
+    must equal it before a byte is read; so memory is only ever allocated for the array that the
+    metadata declares.
 
-    Not checked: chunk contents. zarr v2 chunks carry no checksum, so a chunk whose compressed bytes
-    were altered into other valid compressed bytes reads as wrong values. TensorStore does refuse a
-    chunk that does not decompress, or decompresses to the wrong size, and checks the crc32c of a
-    zarr3 shard index; a missing chunk is CheckpointCorruptedError when ``_METADATA`` says that
-    every chunk was stored (``store_array_data_equal_to_fill_value``, Orbax 0.6 and later), and
-    reads as the fill value otherwise, as Orbax does.
+    Not checked: chunk contents, and a shape that is wrong but consistent. zarr v2 chunks carry no
+    checksum, so compressed bytes altered into other valid compressed bytes read as wrong values;
+    nothing but the ``.zarray`` / ``zarr.json`` records an array's full shape, so one edited to a
+    smaller shape that its chunks still fit reads as that part of the array. TensorStore does
+    refuse a chunk that does not decompress, or decompresses to the wrong size, and checks the
+    crc32c of a zarr3 shard index; a missing chunk is CheckpointCorruptedError when ``_METADATA``
+    says that every chunk was stored (``store_array_data_equal_to_fill_value``, which current Orbax
+    writes), and reads as the fill value otherwise, as Orbax then does.
 """
 
 from __future__ import annotations
 
+import base64
 import builtins
 import dataclasses
 import json
@@ -305,6 +314,30 @@ def _zarr3(meta: Any, what: str) -> tuple[np.dtype, tuple[int, ...]]:
     return dtype, shape
 
 
+def _shardings(folder: str) -> dict[str, str]:
+    """How each array was sharded when saved, by Orbax name, as jaxckpt describes it
+    (``NamedSharding(mesh={'data': 4}, spec=('data', None))``), from the item's ``_sharding`` file.
+    Informational only (reading never depends on it), so a file that does not parse is ignored."""
+    try:
+        table = _read_json(os.path.join(folder, "_sharding"), METADATA_LIMIT, "Orbax's sharding table")
+    except CheckpointFormatError:
+        return {}
+    out: dict[str, str] = {}
+    for encoded, text in table.items() if isinstance(table, dict) else ():
+        try:
+            name = base64.b64decode(encoded, validate=True).decode("utf-8")
+            record = json.loads(text)
+            if record.get("sharding_type") != "NamedSharding":
+                continue
+            mesh = dict(zip(record["axis_names"], record["shape"], strict=True))
+            if math.prod(mesh.values()) > 1 and all(isinstance(n, str) and type(k) is int for n, k in mesh.items()):
+                spec = tuple(tuple(p) if isinstance(p, list) else p for p in record["partition_spec"])
+                out[name] = f"NamedSharding(mesh={mesh}, spec={spec})"[:1000]
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            continue
+    return out
+
+
 def _leaf_name(edges: list[str], what: str) -> str:
     """The Orbax name of a leaf, which is also its folder (or key prefix) in the item: kept inside it."""
     name = ".".join(edges)
@@ -316,9 +349,9 @@ def _leaf_name(edges: list[str], what: str) -> str:
 
 def _old_layout(folder: str) -> CheckpointFormatError:
     return CheckpointFormatError(
-        f"{folder!r} is an Orbax PyTree item without {TREE_METADATA}, written by Orbax before 0.5 (its tree is in "
+        f"{folder!r} is an Orbax PyTree item without {TREE_METADATA}, written by an older Orbax (its tree is in "
         "the msgpack file 'checkpoint'): jaxckpt does not read that layout. Restore it with that Orbax and save it "
-        "again with a newer one."
+        "again with a current one."
     )
 
 
@@ -469,8 +502,9 @@ class Reader:
             [(f"{a[3]}/{metadata_file}", f"{a[6]} ({a[3] + '/' + metadata_file!r})") for a in arrays],
             ZARR_METADATA_LIMIT,
         )
+        shardings = _shardings(folder) if arrays else {}
         for (slot, full, key, name, kind, value, what), raw in zip(arrays, raws):
-            slots[slot] = self._array(full, key, name, kind, value, kvstore, flags, what, raw)
+            slots[slot] = self._array(full, key, name, kind, value, kvstore, flags, what, raw, shardings.get(name))
         self._entries.extend(entry for entry in slots if entry is not None)
 
     def _array(
@@ -484,6 +518,7 @@ class Reader:
         flags: dict[str, bool],
         what: str,
         raw: bytes | None,
+        sharding: str | None,
     ) -> Entry:
         """The entry of an array leaf, from ``raw``, its zarr metadata."""
         zarr3 = flags["use_zarr3"]
@@ -511,7 +546,7 @@ class Reader:
             "metadata": meta,  # what was checked is what TensorStore must find
             "fill_missing_data_reads": not flags["store_array_data_equal_to_fill_value"],
         }
-        leaf = ArrayLeaf(dtype, shape, NUMPY, InForeign(ArrayRef(spec, name)))
+        leaf = ArrayLeaf(dtype, shape, NUMPY, InForeign(ArrayRef(spec, name)), sharding=sharding)
         if kind == "scalar":  # a Python int or float: read now, for its ValueLeaf
             number = self.read(key, leaf).item()
             return Entry(edges, ValueLeaf(type(number).__name__, number))
