@@ -143,6 +143,16 @@ def test_manager_directory(tmp_path):
     shutil.copytree(os.path.join(copied, "30"), os.path.join(copied, "40.orbax-checkpoint-tmp-1795441287"))
     os.mkdir(os.path.join(copied, "50"))
     assert orbax.latest(copied) == os.path.join(copied, "30")
+    with pytest.raises(NotACheckpointError, match=r"CheckpointManager.*'.*30'"):
+        orbax.open(run)
+
+
+def test_numbered_standard_saves(tmp_path):
+    """Steps saved with StandardCheckpointer into numbered folders: each step is an item."""
+    for step in (5, 7):
+        shutil.copytree(os.path.join(GOLDEN, "standard"), str(tmp_path / str(step)))
+    assert not orbax.detect(str(tmp_path))
+    assert orbax.manages(str(tmp_path)) and orbax.latest(str(tmp_path)) == str(tmp_path / "7")
 
 
 def test_jaxckpt_manager_is_not_orbax(tmp_path):

@@ -142,12 +142,18 @@ def detect(path: str) -> bool:
         return False
     if _is_item(names) or CHECKPOINT_METADATA in names:
         return True
-    # A step folder written without _CHECKPOINT_METADATA: look at a few of its subfolders.
-    for name in sorted(names)[:64]:
+    # A step folder written without _CHECKPOINT_METADATA: look at a few of its item subfolders. Not
+    # at numbered ones: those are steps, and this a manager's directory (items have names).
+    for name in sorted(_item_folders(names))[:64]:
         sub = os.path.join(path, name)
         if os.path.isdir(sub) and _is_item(_names(sub)):
             return True
     return False
+
+
+def _item_folders(names: set[str]) -> list[str]:
+    """The names that may be items of a step folder: not steps, not temporary."""
+    return [n for n in names if not _STEP.match(n) and TMP_SUFFIX not in n and not n.startswith(".")]
 
 
 def _steps(directory: str) -> list[tuple[int, str]]:
@@ -383,7 +389,7 @@ class Reader:
                     )
                 self._item(folder, (item,), handler if isinstance(handler, str) else "")
         else:  # older step folders: every subfolder that holds a PyTree or JSON item
-            for item in sorted(names):
+            for item in sorted(_item_folders(names)):
                 folder = os.path.join(path, item)
                 inside = _names(folder)
                 if os.path.isdir(folder) and (_is_item(inside) or JSON_ITEM_FILE in inside):
@@ -576,5 +582,10 @@ def open(path: str) -> Reader:
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"No Orbax checkpoint at {path!r}: nothing is there.")
     if not detect(path):
+        if manages(path):
+            raise NotACheckpointError(
+                f"{path!r} is the directory of an Orbax CheckpointManager, not one checkpoint: open one of its step "
+                f"folders, such as the latest, {latest(path)!r}."
+            )
         raise NotACheckpointError(f"{path!r} is not an Orbax checkpoint (no {TREE_METADATA} or {CHECKPOINT_METADATA}).")
     return Reader(path)
