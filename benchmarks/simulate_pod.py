@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxckpt
-from jaxckpt import _arrayio, _format, _restore, _storage
+from jaxckpt import _format, _reader, _storage, _tensorstore
 from jaxckpt._format import ArrayLeaf, InArray, Index, Layout, MeshRecord
 from jaxckpt._tree import flatten
 
@@ -70,7 +70,7 @@ def build(
     shape = (ROWS * processes * devices_per_process, COLS)
     layout = Layout(mesh, (("x",), ()))
     flat = flatten({f"layer{i:05d}": {"w": 0} for i in range(arrays)})
-    chunks = tuple(_arrayio.chunk_shape(shape, [ROWS, COLS], 4))
+    chunks = tuple(_tensorstore.chunk_shape(shape, [ROWS, COLS], 4))
     leaves = {}
     for i, key in enumerate(flat.leaves):
         at = InArray(f"a/{i}", "float32", None, chunks, layout)
@@ -88,7 +88,7 @@ def build(
     folder.mkdir(parents=True, exist_ok=True)
     location = _storage.location(folder)
     for process in [me] if writers is None else writers:
-        writer = _arrayio.Writer((location / _format.data_store(process)).spec())
+        writer = _tensorstore.Writer((location / _format.data_store(process)).spec())
         for i, leaf in enumerate(leaves.values()):
             data = value(i, shape)
             parts = [
@@ -119,7 +119,7 @@ def own_regions(index: Index, me: int, devices_per_process: int = 1) -> dict[str
 
 def restore_own(folder: Path, index: Index, me: int, devices_per_process: int = 1) -> list[str]:
     """Restore process ``me``'s regions, check them, and return the data stores it opened."""
-    opened = _restore.Opened(folder)
+    opened = _reader.Opened(folder)
     wanted = own_regions(index, me, devices_per_process)
     got = opened.read_regions(wanted)
     shape = next(iter(index.leaves.values())).shape

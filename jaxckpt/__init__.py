@@ -8,15 +8,7 @@ path = ckpt.save("ckpts/ckpt")
 ckpt.restore(path).assert_consumed()
 """
 
-from jaxckpt._checkpoint import (
-    Checkpoint,
-    RestoreStatus,
-    list_variables,
-    load_variable,
-    restore,
-    save,
-    wait_until_finished,
-)
+from jaxckpt._checkpoint import Checkpoint, save, wait_until_finished
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointExistsError,
@@ -38,7 +30,8 @@ from jaxckpt._inspect import CheckpointView, ManagerView, inspect
 from jaxckpt._manager import CheckpointManager
 from jaxckpt._policies import CheckpointInfo, KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
 from jaxckpt._preemption import PreemptionHandler
-from jaxckpt._restore import latest_checkpoint
+from jaxckpt._reader import latest_checkpoint
+from jaxckpt._restore import RestoreStatus, list_variables, load_variable, restore
 from jaxckpt._slots import SlotReport, restore_slots
 from jaxckpt._version import __version__ as __version__
 

@@ -106,3 +106,7 @@ def _report_at_exit() -> None:
         error = future.exception() if future.done() else None
         if error is not None:
             print(f"jaxckpt: a background save failed and nobody waited for it: {error!r}", file=sys.stderr)
+
+
+# The background of the one-call ``jaxckpt.save``; ``restore`` and the next ``save`` wait for it.
+SAVES = Background("jaxckpt.save")

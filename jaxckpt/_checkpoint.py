@@ -8,35 +8,26 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import jax
 
-from jaxckpt import _lock, _multihost, _save, _statefile, _storage
+from jaxckpt import _async, _lock, _multihost, _save, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._errors import (
     CheckpointNotFoundError,
     JaxckptError,
     ManagerLockedError,
-    MismatchError,
     MissingKeyError,
-    RestoreAssertionError,
     UnusedValuesWarning,
 )
 from jaxckpt._format import ValueLeaf
-from jaxckpt._restore import NO_TEMPLATE, ForeignOpened, KeyMap, Opened, mapped, open_checkpoint, open_latest
-from jaxckpt._tree import CHECKPOINT, build, describe, escape_edge, flatten, join, placeholders_message, rebuild
+from jaxckpt._reader import Opened, open_checkpoint
+from jaxckpt._restore import KeyMap, RestoreStatus, mapped, summarize
+from jaxckpt._tree import CHECKPOINT, describe, escape_edge, flatten, join, placeholders_message, rebuild
 
 PathLike = str | os.PathLike[str]
 SAVE_COUNTER = "save_counter"
-
-
-def _summarize(keys: Iterable[str], limit: int = 20) -> str:
-    keys = list(keys)
-    shown = "\n".join(f"    {k}" for k in keys[:limit])
-    more = f"\n    ... and {len(keys) - limit} more" if len(keys) > limit else ""
-    return shown + more
 
 
 def _object_leaves(obj: Any, key: str) -> list[str]:
@@ -68,141 +59,6 @@ def _caller_level() -> int:
     while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
         frame, level = frame.f_back, level + 1
     return level
-
-
-class RestoreStatus:
-    """What a restore matched, and assertions about it.
-
-    The status is live: values restored later, when a child is assigned to a Checkpoint that was
-    waiting for it (a delayed restore), are counted as they happen.
-
-    Unused values: like TensorFlow, a restore that leaves checkpoint values unused (no object took
-    them) says so once with an :class:`UnusedValuesWarning`, unless :meth:`expect_partial` was called.
-    Unlike TensorFlow, the warning never comes from the garbage collector (which fires at a random
-    point, or at exit where warnings cannot be raised or filtered): it is issued by the *next* call
-    on the Checkpoint that was restored into (``save``, ``write``, ``restore``, ``read``, or its
-    manager's ``save``, ``restore`` or ``close``), and points at that call. So TF's idiom
-    ``ckpt.restore(path).expect_partial()`` silences it, and so does ``status.expect_partial()`` at
-    any time before that call. Values still waiting for a child to be assigned (a delayed restore)
-    may yet be used: every save that leaves them out names them, and so does the manager's
-    ``close()``. A restore that raised never warns. :meth:`assert_consumed` checks at once.
-    """
-
-    def __init__(self, opened: Opened | None) -> None:
-        self._opened = opened
-        self._used: set[str] = set()
-        self._missing: set[str] = set()
-        # Saved Checkpoints restored into more than one object (TF reports this in its assertions).
-        self._loaded_twice: set[str] = set()
-        self._partial_ok = False
-        self._settled = opened is None  # warned (or had nothing to warn about) at the next call
-        self._reported: set[str] = set()  # unused keys already named in a warning
-
-    @property
-    def matched_keys(self) -> list[str]:
-        """Checkpoint keys whose values went into an object."""
-        return [k for k in self._all_keys() if k in self._used]
-
-    @property
-    def unused_keys(self) -> list[str]:
-        """Checkpoint keys that found no object (yet)."""
-        return [k for k in self._all_keys() if k not in self._used]
-
-    @property
-    def missing_keys(self) -> list[str]:
-        """Keys of objects that found no value in the checkpoint."""
-        return sorted(self._missing)
-
-    @property
-    def mapped_keys(self) -> dict[str, str]:
-        """With a ``key_map``: each checkpoint key that the map renamed or kept, and the key it became."""
-        source = self._mapped_source()
-        return dict(source.mapped) if source else {}
-
-    @property
-    def dropped_keys(self) -> list[str]:
-        """With a ``key_map``: the checkpoint keys that the map dropped (returned None for)."""
-        source = self._mapped_source()
-        return list(source.dropped) if source else []
-
-    @property
-    def skipped_keys(self) -> list[str]:
-        """Values the checkpoint lists that have no numpy form, so are not restored (a TensorFlow
-        iterator's ``DT_VARIANT`` state, string tensors)."""
-        return sorted(self._opened.skipped) if self._opened else []
-
-    def _mapped_source(self) -> Any:
-        if isinstance(self._opened, ForeignOpened):
-            return getattr(self._opened.checkpoint.reader, "mapped", None) and self._opened.checkpoint.reader
-        return None
-
-    def _all_keys(self) -> list[str]:
-        return self._opened.index.keys_under("") if self._opened else []
-
-    def _require_restore(self, what: str) -> None:
-        if self._opened is None:
-            raise RestoreAssertionError(
-                f"{what} failed: nothing was restored (restore(None) starts from scratch and matches nothing)."
-            )
-
-    def assert_consumed(self) -> RestoreStatus:
-        """Every checkpoint value matched an object, and every object got a value."""
-        self._require_restore("assert_consumed")
-        unused, missing = self.unused_keys, self.missing_keys
-        if unused or missing or self._loaded_twice:
-            parts = [f"Restore from {str(self._opened.path)!r} did not match one to one."]
-            if unused:
-                parts.append(f"  {len(unused)} checkpoint value(s) found no object:\n{_summarize(unused)}")
-            if missing:
-                parts.append(f"  {len(missing)} object(s) found no value in the checkpoint:\n{_summarize(missing)}")
-            if self._loaded_twice:
-                parts.append(self._twice_text())
-            raise RestoreAssertionError("\n".join(parts))
-        return self
-
-    def assert_existing_objects_matched(self) -> RestoreStatus:
-        """Every object present now got a value (unused checkpoint values are fine)."""
-        self._require_restore("assert_existing_objects_matched")
-        if self._loaded_twice:
-            raise RestoreAssertionError(f"Restore from {str(self._opened.path)!r}:\n{self._twice_text()}")
-        if self._missing:
-            raise RestoreAssertionError(
-                f"Restore from {str(self._opened.path)!r}: {len(self._missing)} object(s) found no value "
-                f"in the checkpoint:\n{_summarize(self.missing_keys)}"
-            )
-        return self
-
-    def _twice_text(self) -> str:
-        keys = sorted(self._loaded_twice)
-        return (
-            f"  {len(keys)} saved Checkpoint(s) were restored into more than one object (saved once, as one "
-            f"object, and now held by two):\n{_summarize(keys)}"
-        )
-
-    def assert_nontrivial_match(self) -> RestoreStatus:
-        """At least one value was restored."""
-        self._require_restore("assert_nontrivial_match")
-        if not self._used:
-            raise RestoreAssertionError(f"Restore from {str(self._opened.path)!r} matched no object at all.")
-        return self
-
-    def expect_partial(self) -> RestoreStatus:
-        """Silence the warning about unused checkpoint values."""
-        self._partial_ok = True
-        return self
-
-    def __repr__(self) -> str:
-        if self._opened is None:
-            return "RestoreStatus(nothing restored)"
-        extra = ""
-        if self._mapped_source() is not None:
-            extra += f", key_map: {len(self.mapped_keys)} mapped, {len(self.dropped_keys)} dropped"
-        if self._opened.skipped:
-            extra += f", {len(self._opened.skipped)} skipped (no numpy form)"
-        return (
-            f"RestoreStatus({str(self._opened.path)!r}: {len(self._used)} matched, "
-            f"{len(self.unused_keys)} unused, {len(self._missing)} missing{extra})"
-        )
 
 
 class _Restore:
@@ -559,7 +415,7 @@ class Checkpoint:
             if unused:
                 warnings.warn(
                     f"{len(unused)} value(s) in {str(status._opened.path)!r} were never restored into an object:\n"
-                    f"{_summarize(unused, 5)}\nCall status.expect_partial() (ckpt.restore(path).expect_partial()) "
+                    f"{summarize(unused, 5)}\nCall status.expect_partial() (ckpt.restore(path).expect_partial()) "
                     "if this is intended.",
                     UnusedValuesWarning,
                     stacklevel=_caller_level(),
@@ -570,7 +426,7 @@ class Checkpoint:
             sources = ", ".join(sorted({repr(str(s._opened.path)) for s in saved_without.values()}))
             warnings.warn(
                 f"Saving {os.fspath(path)!r} without {len(saved_without)} value(s) that a restore from {sources} still "
-                f"holds for children not assigned yet:\n{_summarize(saved_without, 5)}\nAssign those children before "
+                f"holds for children not assigned yet:\n{summarize(saved_without, 5)}\nAssign those children before "
                 "saving to include them, or call status.expect_partial() if they are not wanted.",
                 UnusedValuesWarning,
                 stacklevel=_caller_level(),
@@ -612,9 +468,6 @@ class Checkpoint:
         return self.restore(save_path)
 
 
-_BACKGROUND = Background("jaxckpt.save")
-
-
 def save(path: PathLike, tree: Any, *, overwrite: bool = False, blocking: bool = True) -> str:
     """Save a pytree, a Flax NNX module, or any supported object as a checkpoint at ``path``.
 
@@ -622,94 +475,9 @@ def save(path: PathLike, tree: Any, *, overwrite: bool = False, blocking: bool =
     ``blocking=False``, returns once the values are snapshotted and writes in the background; call
     :func:`wait_until_finished` (``restore`` and the next ``save`` do) before relying on it.
     """
-    return _write(_BACKGROUND, path, tree, overwrite=overwrite, blocking=blocking)
+    return _write(_async.SAVES, path, tree, overwrite=overwrite, blocking=blocking)
 
 
 def wait_until_finished() -> None:
     """Block until a background :func:`save` is done; raise its error if it failed."""
-    _BACKGROUND.wait()
-
-
-def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, key_map: KeyMap | None = None) -> Any:
-    """Restore the checkpoint at ``path``.
-
-    With ``like`` (what you hold now), values come back with its structure, container types, dtypes
-    and shardings; NNX modules and state objects in it are updated in place. Keys must match one to
-    one unless ``partial=True`` (then unmatched leaves of ``like`` keep their values). Without
-    ``like``, containers are rebuilt as saved and arrays come back as numpy. ``path`` may be a
-    manager's directory: its latest checkpoint.
-
-    ``path`` may also be a checkpoint that another library wrote, recognized from what is on disk: a
-    TensorFlow prefix (``tf_ckpts/ckpt-5``) or its manager's directory, an Orbax checkpoint, item or
-    manager directory, a Flax msgpack file, or a ``.safetensors`` file.
-
-    ``key_map(key, value) -> (new_key, new_value) | None`` is called once for every value of the
-    checkpoint (arrays as numpy) before matching: rename, transpose, reshape or cast it, or return
-    None to drop it. So a Hugging Face or TensorFlow checkpoint loads into an NNX module in one call::
-
-        def hf_to_nnx(key, value):
-            if key.endswith(".weight"):   # torch Linear (out, in) -> NNX kernel (in, out)
-                return key.replace(".", "/").replace("/weight", "/kernel"), value.T
-            return key.replace(".", "/"), value
-
-        jaxckpt.restore("model.safetensors", like=model, key_map=hf_to_nnx, partial=True)
-    """
-    if path is None:  # what latest_checkpoint returns for a directory without checkpoints
-        raise CheckpointNotFoundError(
-            "restore(None): there is no checkpoint to restore. jaxckpt.latest_checkpoint returns None when a "
-            "directory holds none; check for None before restoring, or use CheckpointManager.restore_or_initialize()."
-        )
-    _BACKGROUND.wait()
-    opened = open_latest(path)
-    if key_map is not None:
-        opened = mapped(opened, key_map)
-    index = opened.index
-    if like is NO_TEMPLATE:
-        return build(index.nodes, opened.load(dict.fromkeys(index.leaves, NO_TEMPLATE)))
-    templates = flatten(like).leaves
-    wanted = {k: t for k, t in templates.items() if k in index.leaves}
-    placeholders = [k for k, t in templates.items() if k not in index.leaves and isinstance(t, jax.ShapeDtypeStruct)]
-    if partial and placeholders:  # before reading anything: this restore cannot succeed
-        raise MissingKeyError(placeholders_message(placeholders))
-    if not partial:
-        missing = [k for k in templates if k not in index.leaves]
-        unused = [k for k in index.keys_under("") if k not in templates]
-        if missing or unused:
-            parts = [f"The checkpoint {str(opened.path)!r} does not match the structure of `like`."]
-            if missing:
-                parts.append(f"  In `like` but not in the checkpoint ({len(missing)}):\n{_summarize(missing)}")
-            if unused:
-                parts.append(f"  In the checkpoint but not in `like` ({len(unused)}):\n{_summarize(unused)}")
-            parts.append("Pass partial=True to restore only the keys in common.")
-            raise MismatchError("\n".join(parts))
-    return rebuild(like, opened.load(wanted))
-
-
-def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:
-    """``(key, shape)`` of every value in the checkpoint, sorted by key, without the model code.
-
-    Python values and object states have shape ``()``; a PRNG key array has its key shape. ``path``
-    may be a manager's directory: its latest checkpoint.
-    """
-    opened = open_latest(path)
-    out = [(key, entry.shape) for key, entry in opened.skipped.items()]
-    for key, leaf in opened.index.leaves.items():
-        if isinstance(leaf, ValueLeaf):
-            out.append((key, ()))
-        else:
-            out.append((key, leaf.shape[:-1] if leaf.prng_impl else leaf.shape))
-    return sorted(out)
-
-
-def load_variable(path: PathLike, key: str) -> Any:
-    """One value of the checkpoint: arrays as numpy, Python values and object states as saved.
-
-    The key of a node (``"optimizer/opt_state"``, ``"config"``) gives its whole subtree as saved:
-    dicts, lists, tuples and namedtuples of those values. ``path`` may be a manager's directory.
-    """
-    opened = open_latest(path)
-    index = opened.index
-    if key in index.nodes:
-        return build(index.nodes, opened.load(dict.fromkeys(index.keys_under(key), NO_TEMPLATE)), key)
-    opened.leaf(key)
-    return opened.load({key: NO_TEMPLATE})[key]
+    _async.SAVES.wait()

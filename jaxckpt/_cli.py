@@ -58,8 +58,9 @@ from jaxckpt._inspect import (
     selected,
 )
 from jaxckpt._progress import Progress, human_bytes
-from jaxckpt._restore import NO_TEMPLATE, ForeignOpened, Opened, open_latest
+from jaxckpt._reader import ForeignOpened, Opened, open_latest
 from jaxckpt._statefile import is_manager_directory
+from jaxckpt._templates import NO_TEMPLATE
 from jaxckpt._tree import describe
 
 # Values are read in batches of about this many bytes (a larger array alone), one `load` each:

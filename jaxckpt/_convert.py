@@ -20,7 +20,8 @@ import numpy as np
 from jaxckpt import _save
 from jaxckpt._errors import CheckpointExistsError
 from jaxckpt._format import SCALAR_TYPES, ArrayLeaf, ValueLeaf
-from jaxckpt._restore import NO_TEMPLATE, Opened, open_latest
+from jaxckpt._reader import Opened, open_latest
+from jaxckpt._templates import NO_TEMPLATE
 from jaxckpt._tree import build
 
 # Bytes of converted arrays a jaxckpt destination holds before writing them out.

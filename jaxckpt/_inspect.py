@@ -30,8 +30,9 @@ from jaxckpt import _statefile, _storage
 from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._progress import human_bytes
-from jaxckpt._restore import NO_TEMPLATE, Opened, open_latest
+from jaxckpt._reader import Opened, open_latest
 from jaxckpt._statefile import is_manager_directory
+from jaxckpt._templates import NO_TEMPLATE
 from jaxckpt._tree import CHECKPOINT, NodeInfo, build, child_keys, edges_for, join
 
 PathLike = str | os.PathLike[str]

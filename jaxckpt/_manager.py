@@ -48,11 +48,12 @@ from typing import Any
 
 from jaxckpt import _lock, _multihost, _save, _statefile, _storage
 from jaxckpt._async import Background
-from jaxckpt._checkpoint import Checkpoint, RestoreStatus
+from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError, UnsupportedValueError
 from jaxckpt._lock import LOCK_FILE
 from jaxckpt._policies import CheckpointInfo, KeepLatest, RetentionPolicy
 from jaxckpt._preemption import PreemptionHandler
+from jaxckpt._restore import RestoreStatus
 from jaxckpt._statefile import PREFIX as _PREFIX
 from jaxckpt._statefile import STATE_FILE, TEMP_FILE, latest_checkpoint
 from jaxckpt._statefile import read_full_state as _read_full_state

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _arrayio, _format, _multihost, _storage
+from jaxckpt import _format, _multihost, _storage, _tensorstore
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
     JAX,
@@ -131,15 +131,15 @@ class _Packer:
 
     def add(self, data: np.ndarray) -> InPack:
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        if self._built == len(self.packs) or self.sizes[-1] + raw.size > _arrayio.PACK_TARGET_BYTES:
+        if self._built == len(self.packs) or self.sizes[-1] + raw.size > _tensorstore.PACK_TARGET_BYTES:
             self.packs.append([])
             self.sizes.append(0)
-        offset = -(-self.sizes[-1] // _arrayio.PACK_ALIGN) * _arrayio.PACK_ALIGN
+        offset = -(-self.sizes[-1] // _tensorstore.PACK_ALIGN) * _tensorstore.PACK_ALIGN
         self.packs[-1].append((offset, raw))
         self.sizes[-1] = offset + raw.size
         return InPack(len(self.packs) - 1, offset, raw.size, zlib.crc32(raw))
 
-    def hand_over(self, writer: _arrayio.Writer, *, last: bool) -> None:
+    def hand_over(self, writer: _tensorstore.Writer, *, last: bool) -> None:
         """Give the writer every complete pack (and the last one too if ``last``: the next leaf then
         starts a new pack), then forget their leaves."""
         end = len(self.packs) if last else len(self.packs) - 1
@@ -281,7 +281,7 @@ class Prepared:
     token: str
     overwrite: bool
     index: Index
-    writer: _arrayio.Writer
+    writer: _tensorstore.Writer
     packer: _Packer
 
 
@@ -311,7 +311,7 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False,
     token = _multihost.shared_token()
     staging = _storage.staging_folder(dest, token)
     try:
-        writer = _arrayio.Writer((staging / data_store(me)).spec())
+        writer = _tensorstore.Writer((staging / data_store(me)).spec())
         packer = _Packer()
         leaves: dict[str, Leaf] = {}
         budget = host_memory_budget() if budget is None else budget
@@ -337,7 +337,7 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False,
             for region, device in owners.items():
                 by_process.setdefault(_process_of(device), []).append(region)
             # Every process takes the same decisions here, so array numbers agree across processes.
-            if record.nbytes <= _arrayio.PACK_LEAF_LIMIT and set(by_process) == {0}:
+            if record.nbytes <= _tensorstore.PACK_LEAF_LIMIT and set(by_process) == {0}:
                 # A jax.Array's host view is immutable; a numpy array is copied, as in _snapshot.
                 small = np.asarray(data) if isinstance(data, jax.Array) else np.array(data, copy=True)
                 at: InArray | InPack = packer.add(small) if me == 0 else InPack(0, 0, 0, 0)
@@ -350,8 +350,8 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False,
                     if layout is None:
                         regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
                 shards = [max(b - a for a, b in dims) for dims in zip(*owners)] if record.shape else []
-                chunks = tuple(_arrayio.chunk_shape(record.shape, shards, record.dtype.itemsize))
-                at = InArray(f"a/{arrays}", _arrayio.stored_dtype(record.dtype), regions, chunks, layout)
+                chunks = tuple(_tensorstore.chunk_shape(record.shape, shards, record.dtype.itemsize))
+                at = InArray(f"a/{arrays}", _tensorstore.stored_dtype(record.dtype), regions, chunks, layout)
                 arrays += 1
                 if fresh:
                     parts, copied = [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
@@ -364,7 +364,7 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False,
                 packer.hand_over(writer, last=True)
                 writer.flush()
                 held = 0
-        packs = [Pack(f"p/{i}", size, _arrayio.pack_chunk(size)) for i, size in enumerate(packer.sizes)]
+        packs = [Pack(f"p/{i}", size, _tensorstore.pack_chunk(size)) for i, size in enumerate(packer.sizes)]
         index = Index(
             flat.nodes,
             leaves,

@@ -30,7 +30,8 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar
 
 from jaxckpt._errors import MismatchError, MissingKeyError, UnsupportedValueError
-from jaxckpt._restore import _expected, _what, check, open_checkpoint
+from jaxckpt._reader import open_checkpoint
+from jaxckpt._templates import check, expected_text, held_text
 from jaxckpt._tree import DICT, LIST, NNX, TUPLE, NodeInfo, describe, edges_for, flatten, join, rebuild
 
 T = TypeVar("T")
@@ -213,7 +214,7 @@ def restore_slots(path: str | os.PathLike[str], target: T, *, prefix: str = "") 
         except MismatchError:
             mismatched[new_key] = slot.key
             unmatched[new_key] = (
-                f"mismatch: the checkpoint's {slot.key!r} holds {_what(leaf)}, the fresh state {_expected(template)}"
+                f"mismatch: the checkpoint's {slot.key!r} holds {held_text(leaf)}, the fresh state {expected_text(template)}"
             )
             continue
         except UnsupportedValueError:  # a leaf that holds nothing restorable (an object, a function)

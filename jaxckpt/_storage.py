@@ -44,7 +44,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _arrayio, _multihost
+from jaxckpt import _multihost, _tensorstore
 from jaxckpt._errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -199,12 +199,12 @@ def read_file(folder: Location, name: str, limit: int = STATE_READ_LIMIT) -> byt
         if len(data) > limit:
             raise _too_large(where, len(data), limit)
         return data
-    exceeds = _arrayio.kv_exceeds(folder.spec(), name, limit)  # so that nothing large is fetched
+    exceeds = _tensorstore.kv_exceeds(folder.spec(), name, limit)  # so that nothing large is fetched
     if exceeds is None:
         return None
     if exceeds:
         raise _too_large(where, None, limit)
-    data = _arrayio.kv_read(folder.spec(), name)
+    data = _tensorstore.kv_read(folder.spec(), name)
     if data is not None and len(data) > limit:  # replaced by a larger object in between
         raise _too_large(where, len(data), limit)
     return data
@@ -234,7 +234,7 @@ def _file_kind(mode: int) -> str:
 def write_file_atomic(folder: Location, name: str, data: bytes) -> None:
     """Replace ``name`` in ``folder`` whole: a crash leaves the old bytes or the new, durably."""
     if folder.local is None:
-        _arrayio.kv_write(folder.spec(), name, data)
+        _tensorstore.kv_write(folder.spec(), name, data)
         return
     tmp = folder.local / f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}"
     try:
@@ -253,7 +253,7 @@ def children(folder: Location) -> list[str]:
             return sorted(os.listdir(folder.local))
         except (FileNotFoundError, NotADirectoryError):
             return []
-    return sorted({key.split("/", 1)[0] for key in _arrayio.kv_keys(folder.spec())})
+    return sorted({key.split("/", 1)[0] for key in _tensorstore.kv_keys(folder.spec())})
 
 
 def temp_file_pattern(name: str) -> re.Pattern[str]:
@@ -265,7 +265,7 @@ def delete_tree(folder: Location) -> None:
     if folder.local is not None:
         shutil.rmtree(folder.local, ignore_errors=True)
     else:
-        _arrayio.kv_delete_all(folder.spec())
+        _tensorstore.kv_delete_all(folder.spec())
 
 
 def total_bytes(folder: Location) -> int | None:
@@ -316,7 +316,7 @@ def _only_leftovers(path: Location) -> bool:
     """Object stores: whether ``path`` holds exactly what an interrupted save leaves: its marker, and
     data stores with OCDBT's keys. Without the marker, data is not provably jaxckpt's (a user's
     ``data/`` folder), so it is never taken for leftovers."""
-    keys = _arrayio.kv_keys(path.spec())
+    keys = _tensorstore.kv_keys(path.spec())
     return SAVE_MARKER in keys and all(_LEFTOVER_KEY.fullmatch(k) for k in keys)
 
 
@@ -368,7 +368,7 @@ def clear_for_save(path: Location) -> None:
         if not (is_checkpoint(path) or _only_leftovers(path)):  # it changed since check_writable
             check_writable(path, overwrite=False)
         delete_tree(path)
-    _arrayio.kv_write(path.spec(), SAVE_MARKER, b"an unfinished jaxckpt save; it has no index.json yet\n")
+    _tensorstore.kv_write(path.spec(), SAVE_MARKER, b"an unfinished jaxckpt save; it has no index.json yet\n")
 
 
 def _staging_stem(name: str, mark: str = PARTIAL_MARK) -> str:
@@ -524,9 +524,9 @@ def publish(staging: Location, path: Location, index: bytes, overwrite: bool) ->
     aside first, so for an instant nothing is at ``path``). In an object store: the index is written.
     """
     if path.local is None:
-        _arrayio.kv_write(path.spec(), INDEX_FILE, index)
+        _tensorstore.kv_write(path.spec(), INDEX_FILE, index)
         # The checkpoint is complete: the marker is no longer needed to tell its data apart.
-        _arrayio.kv_delete(path.spec(), SAVE_MARKER)
+        _tensorstore.kv_delete(path.spec(), SAVE_MARKER)
         return
     staged = staging.local
     try:

@@ -14,6 +14,6 @@ jax.config.update("jax_enable_x64", False)
 @pytest.fixture
 def small_packs(monkeypatch):
     """Store every array leaf as its own zarr3 array, so tests cover that path as well as packing."""
-    from jaxckpt import _arrayio
+    from jaxckpt import _tensorstore
 
-    monkeypatch.setattr(_arrayio, "PACK_LEAF_LIMIT", -1)
+    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import _arrayio  # noqa: E402
+from jaxckpt import _tensorstore  # noqa: E402
 
 mesh_shape = tuple(int(d) for d in mesh_text.split("x"))
 mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("x", "y"))
@@ -80,29 +80,29 @@ def fail_first_snapshot_on_process_1() -> None:
 if mode == "save":
     jaxckpt.Checkpoint(state=state()).write(path)
 elif mode == "save-then-die":
-    real_flush = _arrayio.Writer.flush
+    real_flush = _tensorstore.Writer.flush
 
     def flush_then_die(self):
         real_flush(self)
         if pid == 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    _arrayio.Writer.flush = flush_then_die
+    _tensorstore.Writer.flush = flush_then_die
     try:
         jaxckpt.Checkpoint(state=state()).write(path)
     except Exception as e:  # process 0 cannot finish without process 1: it must fail, not publish
         print(f"save failed as expected: {type(e).__name__}", flush=True)
         os._exit(3)
 elif mode == "restore":
-    from jaxckpt import _restore
+    from jaxckpt import _reader
 
-    opened, real_init = [], _restore.Opened.__init__
+    opened, real_init = [], _reader.Opened.__init__
 
     def init_and_remember(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         opened.append(self)
 
-    _restore.Opened.__init__ = init_and_remember
+    _reader.Opened.__init__ = init_and_remember
     template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k)) for k, v in VALUES.items()}
     ckpt = jaxckpt.Checkpoint(state={**template, "step": 0})
     ckpt.restore(path).assert_consumed()

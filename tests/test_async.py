@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _arrayio
+from jaxckpt import _tensorstore
 
 
 def sharded_state(seed=0):
@@ -60,14 +60,14 @@ def test_a_save_waits_for_the_previous_one(tmp_path):
 
 
 def test_background_errors_surface_on_the_next_call_and_on_wait(tmp_path, monkeypatch):
-    real_flush = _arrayio.Writer.flush
+    real_flush = _tensorstore.Writer.flush
     release = threading.Event()
 
     def failing_flush(self):
         release.wait()
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(_arrayio.Writer, "flush", failing_flush)
+    monkeypatch.setattr(_tensorstore.Writer, "flush", failing_flush)
     ckpt = jaxckpt.Checkpoint(state=sharded_state())
     path = ckpt.save(tmp_path / "ckpt", blocking=False)
     release.set()
@@ -79,7 +79,7 @@ def test_background_errors_surface_on_the_next_call_and_on_wait(tmp_path, monkey
     path = ckpt.save(tmp_path / "ckpt", blocking=False)
     with pytest.raises(OSError, match="No space left"):
         ckpt.wait_until_finished()
-    monkeypatch.setattr(_arrayio.Writer, "flush", real_flush)
+    monkeypatch.setattr(_tensorstore.Writer, "flush", real_flush)
     path = ckpt.save(tmp_path / "ckpt", blocking=False)  # space is back: saving works again
     ckpt.wait_until_finished()
     assert jaxckpt.restore(path)["save_counter"] == ckpt.save_counter
@@ -108,7 +108,7 @@ def test_manager_background_failure_leaves_the_state_file_as_it_was(tmp_path, mo
     def failing_flush(self):
         raise OSError("disk full")
 
-    monkeypatch.setattr(_arrayio.Writer, "flush", failing_flush)
+    monkeypatch.setattr(_tensorstore.Writer, "flush", failing_flush)
     manager.save()
     with pytest.raises(OSError, match="disk full"):
         manager.wait_until_finished()
@@ -142,10 +142,10 @@ def test_failed_save_at_exit_is_reported(tmp_path):
     proc = _run(
         f"""
         import numpy as np, jaxckpt
-        from jaxckpt import _arrayio
+        from jaxckpt import _tensorstore
         def fail(self):
             raise OSError("disk full at exit")
-        _arrayio.Writer.flush = fail
+        _tensorstore.Writer.flush = fail
         jaxckpt.save({str(tmp_path / "c")!r}, {{"x": np.ones(3)}}, blocking=False)
         """
     )

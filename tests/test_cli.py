@@ -273,7 +273,7 @@ def test_verify_ok(capsys, ckpt):
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "own-array"])
 def test_verify_finds_a_flipped_bit_and_names_the_key(capsys, tmp_path, monkeypatch, packed):
     if not packed:
-        monkeypatch.setattr(jaxckpt._arrayio, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(jaxckpt._tensorstore, "PACK_LEAF_LIMIT", -1)
     victim = RNG.standard_normal(4096).astype(np.float32)
     path = jaxckpt.save(tmp_path / "c", {"fine": np.arange(4.0), "victim": victim})
     flip_byte(path, victim.tobytes()[1000:1064])
@@ -288,7 +288,7 @@ def test_verify_finds_a_flipped_bit_and_names_the_key(capsys, tmp_path, monkeypa
 
 
 def test_verify_reads_in_batches(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(jaxckpt._arrayio, "PACK_LEAF_LIMIT", 100)
+    monkeypatch.setattr(jaxckpt._tensorstore, "PACK_LEAF_LIMIT", 100)
     tree = {f"small{i}": np.full(4, i, np.float32) for i in range(6)}
     tree |= {f"big{i}": np.full(40, i, np.float32) for i in range(3)}
     path = jaxckpt.save(tmp_path / "c", tree)

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _arrayio, _cli
+from jaxckpt import _cli, _tensorstore
 
 
 def original_tree() -> dict[str, Any]:
@@ -54,12 +54,12 @@ KEYS = sorted(original_tree())
 def pristine(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     """A checkpoint whose leaves over 4 KiB have their own zarr3 array; the rest are packed."""
     path = tmp_path_factory.mktemp("corruption") / "pristine"
-    real = _arrayio.PACK_LEAF_LIMIT
-    _arrayio.PACK_LEAF_LIMIT = 4096
+    real = _tensorstore.PACK_LEAF_LIMIT
+    _tensorstore.PACK_LEAF_LIMIT = 4096
     try:
         jaxckpt.save(path, original_tree())
     finally:
-        _arrayio.PACK_LEAF_LIMIT = real
+        _tensorstore.PACK_LEAF_LIMIT = real
     return path, jaxckpt.restore(path)
 
 

@@ -17,7 +17,7 @@ import pytest
 import tensorstore as ts
 
 import jaxckpt
-from jaxckpt import _arrayio, _cli, _save
+from jaxckpt import _cli, _save, _tensorstore
 
 
 def _ocdbt(path: Path, store: str = "data") -> ts.KvStore:
@@ -79,7 +79,8 @@ def test_a_deleted_pack_chunk_is_an_error(tmp_path):
 
 def test_a_checkpoint_deleted_while_read_is_reported_as_gone(tmp_path):
     """What an evaluation job sees when a manager's retention deletes the checkpoint it is reading."""
-    from jaxckpt._restore import NO_TEMPLATE, Opened
+    from jaxckpt._reader import Opened
+    from jaxckpt._templates import NO_TEMPLATE
 
     path, _ = _chunked(tmp_path)
     opened = Opened(path)  # the index is read; then retention removes everything
@@ -173,7 +174,7 @@ def test_a_small_checkpoint_claiming_a_huge_array_allocates_nothing(tmp_path, ca
     ],
 )
 def test_tensorstore_errors_map_by_status_code(code, error, errno_name):
-    mapped = _arrayio.failure("the data of 'w'", ValueError(f"{code}: something happened"))
+    mapped = _tensorstore.failure("the data of 'w'", ValueError(f"{code}: something happened"))
     assert type(mapped) is error and "'w'" in str(mapped)
     if errno_name:
         assert mapped.errno == getattr(errno, errno_name)
@@ -192,7 +193,7 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
     def refuse(self, path, metadata):
         return Refused(path)
 
-    monkeypatch.setattr(_arrayio.Reader, "_open", refuse)
+    monkeypatch.setattr(_tensorstore.Reader, "_open", refuse)
     result = _cli.verify(str(path))
     assert not result.damaged and [k for k, _ in result.unreadable] == ["w"]
     assert _cli.main(["verify", str(path)]) == 1
@@ -211,7 +212,7 @@ def test_packed_leaf_copies_are_bounded_by_the_host_memory_budget(tmp_path, monk
     monkeypatch.setenv("JAXCKPT_HOST_MEMORY_BUDGET", str(4 << 20))
     packs: list[int] = []
     flushed_during_snapshot: list[int] = []
-    real_add_pack, real_flush = _arrayio.Writer.add_pack, _arrayio.Writer.flush
+    real_add_pack, real_flush = _tensorstore.Writer.add_pack, _tensorstore.Writer.flush
     in_prepare = {"on": False}
 
     def add_pack(self, path, buffer):
@@ -232,14 +233,14 @@ def test_packed_leaf_copies_are_bounded_by_the_host_memory_budget(tmp_path, monk
         finally:
             in_prepare["on"] = False
 
-    monkeypatch.setattr(_arrayio.Writer, "add_pack", add_pack)
-    monkeypatch.setattr(_arrayio.Writer, "flush", flush)
+    monkeypatch.setattr(_tensorstore.Writer, "add_pack", add_pack)
+    monkeypatch.setattr(_tensorstore.Writer, "flush", flush)
     monkeypatch.setattr(_save, "prepare", prepare)
     rng = np.random.default_rng(0)
     tree = {f"leaf{i}": rng.standard_normal(1 << 18).astype(np.float32) for i in range(64)}  # 1 MiB each
     path = _save.write(tmp_path / "c", tree)
     assert flushed_during_snapshot, "nothing was written before the snapshot ended"
-    assert max(packs) <= (4 << 20) + (1 << 20) + _arrayio.PACK_ALIGN, packs
+    assert max(packs) <= (4 << 20) + (1 << 20) + _tensorstore.PACK_ALIGN, packs
     restored = jaxckpt.restore(path)
     for key in ("leaf0", "leaf31", "leaf63"):
         np.testing.assert_array_equal(restored[key], tree[key])
@@ -249,7 +250,7 @@ def test_packed_leaf_copies_are_bounded_by_the_host_memory_budget(tmp_path, monk
 
 
 def test_tensorstore_fsyncs_data_files_by_explicit_setting():
-    assert _arrayio._context().spec.to_json()["file_io_sync"] is True
+    assert _tensorstore._context().spec.to_json()["file_io_sync"] is True
 
 
 # --- 12. a deleted array is named ----------------------------------------------------------------
@@ -281,14 +282,14 @@ def test_cli_reads_large_arrays_in_bounded_pieces(tmp_path, monkeypatch, capsys,
     pa, pb = jaxckpt.save(tmp_path / "a", {"w": a}), jaxckpt.save(tmp_path / "b", {"w": b})
     monkeypatch.setattr(_cli, "BATCH_BYTES", 256 << 10)
     sizes: list[int] = []
-    real = _arrayio.aligned_empty
+    real = _tensorstore.aligned_empty
 
     def recording(shape, dtype):
         out = real(shape, dtype)
         sizes.append(out.nbytes)
         return out
 
-    monkeypatch.setattr(_arrayio, "aligned_empty", recording)
+    monkeypatch.setattr(_tensorstore, "aligned_empty", recording)
     assert _cli.main(["show", "--json", pa, "w"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["size"] == a.size and stats["min"] == pytest.approx(float(a.min()))

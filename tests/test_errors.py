@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _arrayio
+from jaxckpt import _tensorstore
 
 
 def _rewrite_index(path, edit):
@@ -110,7 +110,7 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     def boom(self):
         raise OSError("disk full")
 
-    monkeypatch.setattr(_arrayio.Writer, "flush", boom)
+    monkeypatch.setattr(_tensorstore.Writer, "flush", boom)
     with pytest.raises(OSError, match="disk full"):
         jaxckpt.save(tmp_path / "c", {"a": jnp.ones(3)})
     assert list(tmp_path.iterdir()) == []
@@ -122,12 +122,12 @@ def test_killed_save_leaves_no_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, numpy as np, jaxckpt
-        from jaxckpt import _arrayio
-        real = _arrayio.Writer.flush
+        from jaxckpt import _tensorstore
+        real = _tensorstore.Writer.flush
         def commit_then_die(self):
             real(self)  # data durable, index not yet written: the worst instant
             os.kill(os.getpid(), signal.SIGKILL)
-        _arrayio.Writer.flush = commit_then_die
+        _tensorstore.Writer.flush = commit_then_die
         jaxckpt.save({str(tmp_path / "new")!r}, {{"a": np.ones((600, 600), np.float32)}})
         """
     )
@@ -144,7 +144,7 @@ def test_killed_save_leaves_no_checkpoint(tmp_path):
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "own-array"])
 def test_bit_flip_in_data_is_detected_and_names_the_key(tmp_path, monkeypatch, packed):
     if not packed:
-        monkeypatch.setattr(_arrayio, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
     victim = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
     path = jaxckpt.save(tmp_path / "c", {"fine": np.arange(4.0), "victim": victim})
     needle = victim.tobytes()[1000:1064]
@@ -167,7 +167,7 @@ def test_bit_flip_in_data_is_detected_and_names_the_key(tmp_path, monkeypatch, p
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "own-array"])
 def test_truncated_data_is_detected(tmp_path, monkeypatch, packed):
     if not packed:
-        monkeypatch.setattr(_arrayio, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
     path = jaxckpt.save(tmp_path / "c", {"x": np.random.default_rng(0).standard_normal(20000).astype(np.float32)})
     biggest = max(_data_files(path), key=lambda f: f.stat().st_size)
     with open(biggest, "r+b") as f:
@@ -201,7 +201,7 @@ def test_newer_format_version_is_refused(tmp_path):
      {"array": "a/0/../../x", "stored": "float32"}, {"array": "a/0\u0000", "stored": "float32"}],
 )  # fmt: skip
 def test_crafted_index_cannot_name_files_outside(tmp_path, monkeypatch, at):
-    monkeypatch.setattr(_arrayio, "PACK_LEAF_LIMIT", -1)
+    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
     path = jaxckpt.save(tmp_path / "c", {"x": np.ones(3, np.float32)})
     _rewrite_index(path, lambda body: body["leaves"]["x"].update(at=at))
     with pytest.raises(jaxckpt.CheckpointFormatError, match=r"'x'.*array path"):
@@ -230,7 +230,7 @@ def test_crafted_index_fields_are_rejected(tmp_path, edit, message):
 
 
 def test_index_inconsistent_with_stored_array(tmp_path, monkeypatch):
-    monkeypatch.setattr(_arrayio, "PACK_LEAF_LIMIT", -1)
+    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
     path = jaxckpt.save(tmp_path / "c", {"x": np.ones(3, np.float32), "y": np.ones(4, np.float32)})
     _rewrite_index(path, lambda b: b["leaves"]["x"].update(at={**b["leaves"]["y"]["at"], "chunks": [3]}))
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'x'.*(a/1|shape)"):

@@ -13,7 +13,7 @@ GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
 from make_golden import golden_tree, pod_tree  # noqa: E402
 
-from jaxckpt import _cli, _format, _restore  # noqa: E402
+from jaxckpt import _cli, _format, _reader  # noqa: E402
 
 
 def _assert_same(restored, expected, key=""):
@@ -46,7 +46,7 @@ def test_the_golden_save_of_four_processes_is_still_readable():
     positions hold devices 3, 1, 0, 2, 7, 5, 4, 6 (device d of process d // 2)."""
     folder = GOLDEN / "pod-v3"
     _assert_same(jaxckpt.restore(folder), pod_tree())
-    opened = _restore.Opened(folder)
+    opened = _reader.Opened(folder)
     # P("x", "y"): shard (i, j) written by the process of mesh position (i, j).
     assert _format.regions(opened.index.leaves["xy"].at, (4, 8)) == {
         "data.p1": [[(0, 2), (0, 2)], [(0, 2), (6, 8)]],
@@ -59,7 +59,7 @@ def test_the_golden_save_of_four_processes_is_still_readable():
     np.testing.assert_array_equal(got, pod_tree()["yx_rows"][1:2])
     assert opened.stores_opened == ["data.p3"]
     for name, value in pod_tree().items():  # in pieces of one row or less, as `jaxckpt verify` reads large arrays
-        pieces = list(_restore.Opened(folder).read_pieces(name, budget=8))
+        pieces = list(_reader.Opened(folder).read_pieces(name, budget=8))
         np.testing.assert_array_equal(np.concatenate([p.reshape(-1) for p in pieces]), value.reshape(-1))
     assert _cli.main(["verify", str(folder)]) == 0
 

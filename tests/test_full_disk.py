@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _arrayio, _statefile, _storage
+from jaxckpt import _statefile, _storage, _tensorstore
 
 
 def state(step: int) -> jaxckpt.Checkpoint:
@@ -60,7 +60,7 @@ def enospc(what: str) -> OSError:
 
 def fail_writer_flush(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
     """The array writer's ``nth`` flush from now on fails as a full disk would, after writing nothing."""
-    real, calls = _arrayio.Writer.flush, []
+    real, calls = _tensorstore.Writer.flush, []
 
     def flush(self):
         calls.append(1)
@@ -68,7 +68,7 @@ def fail_writer_flush(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
             raise enospc("data")
         return real(self)
 
-    monkeypatch.setattr(_arrayio.Writer, "flush", flush)
+    monkeypatch.setattr(_tensorstore.Writer, "flush", flush)
 
 
 def fail_durable_write(monkeypatch: pytest.MonkeyPatch, name_prefix: str) -> None:

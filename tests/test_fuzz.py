@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt import _arrayio, _cli
+from jaxckpt import _cli, _tensorstore
 
 DEFAULT_EXAMPLES = 150
 STRESS_EXAMPLES = 3000
@@ -237,12 +237,12 @@ def tree_of_everything() -> dict[str, Any]:
 def original(tmp_path_factory):
     """A checkpoint of everything; leaves over 256 bytes get their own zarr3 array."""
     path = tmp_path_factory.mktemp("fuzz") / "original"
-    real = _arrayio.PACK_LEAF_LIMIT
-    _arrayio.PACK_LEAF_LIMIT = 256
+    real = _tensorstore.PACK_LEAF_LIMIT
+    _tensorstore.PACK_LEAF_LIMIT = 256
     try:
         jaxckpt.save(path, tree_of_everything())
     finally:
-        _arrayio.PACK_LEAF_LIMIT = real
+        _tensorstore.PACK_LEAF_LIMIT = real
     body = json.loads((path / "index.json").read_bytes())
     body.pop("checksum")
     return path, body

@@ -52,7 +52,7 @@ def test_with_several_devices_per_process_still_one_store(tmp_path):
 
 def test_a_process_reading_two_processes_regions_opens_their_two_stores(tmp_path):
     index = build(tmp_path / "c", 32, 10, me=0, writers=[6, 7])
-    opened = jaxckpt._restore.Opened(tmp_path / "c")
+    opened = jaxckpt._reader.Opened(tmp_path / "c")
     wanted = {k: [(slice(12, 16), slice(0, 16))] for k in index.leaves}  # rows of processes 6 and 7
     got = opened.read_regions(wanted)
     for i, key in enumerate(index.leaves):

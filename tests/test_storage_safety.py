@@ -22,13 +22,13 @@ TREE = {"x": np.arange(6, dtype=np.float32), "big": np.ones((64, 64), np.float32
 
 
 def _kv(path):
-    return ts.KvStore.open(_storage.location(path).spec(), context=_arrayio_context()).result()
+    return ts.KvStore.open(_storage.location(path).spec(), context=_tensorstore_context()).result()
 
 
-def _arrayio_context():
-    from jaxckpt import _arrayio
+def _tensorstore_context():
+    from jaxckpt import _tensorstore
 
-    return _arrayio._context()  # memory:// stores live in jaxckpt's context
+    return _tensorstore._context()  # memory:// stores live in jaxckpt's context
 
 
 @pytest.mark.parametrize("folder", ["data", "data.p1"])
@@ -162,15 +162,15 @@ def _staging(tmp_path):
 
 
 def test_keyboard_interrupt_during_a_blocking_save_removes_its_staging(tmp_path, monkeypatch):
-    from jaxckpt import _arrayio
+    from jaxckpt import _tensorstore
 
-    real_flush = _arrayio.Writer.flush
+    real_flush = _tensorstore.Writer.flush
 
     def interrupted(self):
         real_flush(self)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_arrayio.Writer, "flush", interrupted)
+    monkeypatch.setattr(_tensorstore.Writer, "flush", interrupted)
     with pytest.raises(KeyboardInterrupt):
         jaxckpt.save(tmp_path / "c", TREE)
     assert list(tmp_path.iterdir()) == []

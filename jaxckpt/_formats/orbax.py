@@ -73,7 +73,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _arrayio
+from jaxckpt import _tensorstore
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointFormatError,
@@ -451,7 +451,7 @@ class Reader:
                     f"The Orbax item {folder!r} keeps its arrays in an OCDBT database (use_ocdbt in {TREE_METADATA}) "
                     "but has no manifest.ocdbt: it is incomplete or was partly deleted."
                 )
-            kvstore: dict[str, Any] = _arrayio.foreign_ocdbt(absolute)
+            kvstore: dict[str, Any] = _tensorstore.foreign_ocdbt(absolute)
         else:
             kvstore = {"driver": "file", "path": absolute}
         strings: dict[str, Any] | None = None
@@ -503,7 +503,7 @@ class Reader:
             else:
                 slots.append(Entry(full, None, note=f"Orbax value type {kind[:100]!r}"))
         metadata_file = "zarr.json" if flags["use_zarr3"] else ".zarray"
-        raws = _arrayio.read_foreign_files(
+        raws = _tensorstore.read_foreign_files(
             kvstore,
             [(f"{a[3]}/{metadata_file}", f"{a[6]} ({a[3] + '/' + metadata_file!r})") for a in arrays],
             ZARR_METADATA_LIMIT,
@@ -567,13 +567,13 @@ class Reader:
         ref = leaf.at.ref  # type: ignore[union-attr]
         assert isinstance(ref, ArrayRef)
         what = f"{key!r} of the Orbax checkpoint {self.path!r} (array {ref.name!r})"
-        store = _arrayio.open_foreign_array(ref.spec, what)
+        store = _tensorstore.open_foreign_array(ref.spec, what)
         if tuple(store.shape) != leaf.shape or store.dtype.name != leaf.dtype.name:
             raise CheckpointFormatError(
                 f"{what}: TensorStore opens it with shape {tuple(store.shape)} and dtype {store.dtype.name}, but its "
                 f"metadata says {leaf.shape} and {leaf.dtype.name}. It is damaged or crafted."
             )
-        return _arrayio.read_foreign(store, leaf.dtype, what)
+        return _tensorstore.read_foreign(store, leaf.dtype, what)
 
 
 def open(path: str) -> Reader:

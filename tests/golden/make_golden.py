@@ -53,7 +53,7 @@ def pod_tree():
 
 
 def write_pod_golden(out):
-    from jaxckpt import _arrayio, _format, _storage
+    from jaxckpt import _format, _storage, _tensorstore
     from jaxckpt._format import ArrayLeaf, InArray, Index, Layout, MeshRecord
     from jaxckpt._tree import flatten
 
@@ -77,7 +77,7 @@ def write_pod_golden(out):
     index = Index(flat.nodes, leaves, [], {"writer": "tests/golden/make_golden.py pod"}, meshes=[mesh])
     location = _storage.location(out)
     for process in range(4):
-        writer = _arrayio.Writer((location / _format.data_store(process)).spec())
+        writer = _tensorstore.Writer((location / _format.data_store(process)).spec())
         for name, leaf in leaves.items():
             full = [(0, n) for n in leaf.shape]
             boxes = [

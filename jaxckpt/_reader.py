@@ -1,0 +1,492 @@
+"""The reader: one checkpoint opened, its index, and batched reads of its values placed as their
+templates want (:mod:`jaxckpt._templates`), for jaxckpt's own checkpoints (:class:`Opened`) and for
+the other libraries' formats (:class:`ForeignOpened`, over :mod:`jaxckpt._formats`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt import _format, _formats, _statefile, _storage, _tensorstore
+from jaxckpt._errors import (
+    CheckpointCorruptedError,
+    CheckpointNotFoundError,
+    MissingKeyError,
+    NotACheckpointError,
+    UnsupportedValueError,
+)
+from jaxckpt._format import DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InPack, Leaf, decode_index
+from jaxckpt._templates import NO_TEMPLATE, cast_for, check, restored_value, target_sharding
+from jaxckpt._tree import describe
+
+# A region to read: its shape, and (data store, region there, where it goes or None) per part.
+_Parts = tuple[tuple[int, ...], list[tuple[str, tuple[slice, ...], Any]]]
+# Byte gaps up to this size between wanted pack spans are read through rather than split.
+_SPAN_GAP = 1 << 20
+# Bytes of array reads started but not yet finished.
+_READ_AHEAD_BYTES = 128 << 20
+
+
+def _hashable(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+class Opened:
+    """One checkpoint opened for reading: its index, and batched reads of its values."""
+
+    format = "jaxckpt"  # or the foreign format's name (ForeignOpened)
+    # Values listed that have no numpy form (TensorFlow's iterator state, string tensors): key -> entry
+    skipped: Mapping[str, _formats.Entry] = {}
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.location = _storage.location(path)
+        self.path = self.location.local or self.location.text  # how messages name it
+        where = repr(str(self.location / INDEX_FILE))
+        self.index: Index = decode_index(_storage.read_index_bytes(self.location), where)
+        self._readers: dict[str, _tensorstore.Reader] = {}
+        self._stored_bytes: dict[str, int] = {}  # per data store, for _check_backed
+
+    def leaf(self, key: str) -> Leaf:
+        try:
+            return self.index.leaves[key]
+        except KeyError:
+            if key in self.skipped:
+                raise UnsupportedValueError(self._missing_key_message(key)) from None
+            raise MissingKeyError(self._missing_key_message(key)) from None
+
+    def _missing_key_message(self, key: str) -> str:
+        import difflib
+
+        what = "checkpoint" if self.format == "jaxckpt" else f"{self.format} checkpoint"
+        if key in self.skipped:
+            entry = self.skipped[key]
+            return (
+                f"The {what} {str(self.path)!r} holds {describe(key)} as {entry.note} of shape {entry.shape}, "
+                "which has no numpy form; jaxckpt lists it and does not restore it."
+            )
+        close = difflib.get_close_matches(key, list(self.index.leaves), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        if key in self.index.nodes:
+            hint = f" It is a node; its leaves include {', '.join(map(repr, self.index.keys_under(key)[:3]))}."
+        return f"The {what} {str(self.path)!r} has no value {describe(key)}.{hint}"
+
+    def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
+        """Values for ``{key: template}``: checked first, then read in one batch."""
+        for key, template in wanted.items():
+            check(key, self.leaf(key), template)
+        data = self._read(wanted)
+        out: dict[str, Any] = {}
+        to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding]] = []
+        for key, template in wanted.items():
+            leaf, value = self.index.leaves[key], data.get(key)
+            if isinstance(leaf, ArrayLeaf) and not isinstance(value, jax.Array):
+                value = cast_for(key, leaf, template, value)  # a no-op for arrays read below
+            if (
+                isinstance(leaf, ArrayLeaf)
+                and not leaf.prng_impl
+                and isinstance(template, (jax.Array, jax.ShapeDtypeStruct))
+                and not isinstance(value, jax.Array)
+            ):
+                to_device.append((key, value, target_sharding(template, key)))
+            else:
+                out[key] = restored_value(leaf, template, value)
+        if to_device:  # one call for all: per-call overhead dominates for thousands of small leaves
+            arrays = jax.device_put([v for _, v, _ in to_device], [s for _, _, s in to_device])
+            out.update(zip([k for k, _, _ in to_device], arrays))
+        return {key: out[key] for key in wanted}
+
+    def exists(self) -> bool:
+        """Whether the checkpoint is still there (a failed read may mean it was deleted meanwhile)."""
+        return _storage.is_checkpoint(self.location)
+
+    def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
+        """The data of the array leaves among ``wanted``: host numpy, or jax.Arrays already placed
+        as their templates want."""
+        packed: dict[int, list[str]] = defaultdict(list)
+        arrays: list[str] = []
+        for key in wanted:
+            leaf = self.index.leaves[key]
+            if isinstance(leaf, ArrayLeaf):
+                (packed[leaf.at.pack] if isinstance(leaf.at, InPack) else arrays).append(key)
+        data: dict[str, Any] = {}
+        try:
+            targets, plans = self._plan_arrays({k: wanted[k] for k in arrays})
+            needed = {store for plan in plans.values() for _, parts in plan.values() for store, _, _ in parts}
+            self._check_backed([*arrays, *(k for keys in packed.values() for k in keys)], needed)
+            for pack, keys in packed.items():
+                data.update(self._read_packed(pack, keys))
+            data.update(self._read_arrays({k: wanted[k] for k in arrays}, targets, plans))
+        except CheckpointCorruptedError as e:
+            if not self.exists():  # not damaged: gone (a manager's retention?)
+                raise CheckpointNotFoundError(
+                    f"The checkpoint {str(self.path)!r} was deleted while it was being read: {e}"
+                ) from e
+            raise
+        return data
+
+    @property
+    def stores_opened(self) -> list[str]:
+        """The data stores this reader has opened or measured so far."""
+        return sorted(set(self._readers) | set(self._stored_bytes))
+
+    def _check_backed(self, keys: list[str], stores: set[str]) -> None:
+        """Before any buffer is allocated: the data stores ``stores`` (those the read will use) hold
+        at least the bytes the index claims.
+
+        Chunks are stored uncompressed (the codecs are checked on open) and every chunk is written
+        (format version 2), so a store holds at least the bytes of the values in it. A crafted index
+        that claims a 64 GiB array in a 1 MB checkpoint is refused here, not by running out of memory.
+        Local folders only: TensorStore lists object stores without sizes.
+        """
+        if self.index.version < 2 or self.location.local is None or not keys:
+            return
+        claims: dict[str, int] = defaultdict(int)
+        largest: dict[str, tuple[int, str]] = {}
+        for key in keys:
+            leaf = self.index.leaves[key]
+            assert isinstance(leaf, ArrayLeaf)
+            at = leaf.at
+            if isinstance(at, InArray):
+                parts = {s: _format.store_bytes(at, leaf.shape, leaf.dtype.itemsize, s) for s in stores}
+            else:
+                parts = {DATA_DIR: leaf.nbytes}
+            for store, nbytes in parts.items():
+                if not nbytes:
+                    continue
+                claims[store] += nbytes
+                largest[store] = max(largest.get(store, (-1, "")), (nbytes, key))
+        for store, claimed in claims.items():
+            held = self._stored_bytes.get(store)
+            if held is None:
+                held = self._stored_bytes[store] = _storage.total_bytes(self.location / store) or 0
+            if claimed > held:
+                raise CheckpointCorruptedError(
+                    f"The checkpoint {str(self.path)!r} claims {claimed:,} bytes of values in its data store "
+                    f"{store!r} (the largest {describe(largest[store][1])}), but that store holds only {held:,} bytes: "
+                    "its data is missing or truncated, or its index was crafted. Nothing was read."
+                )
+
+    def _read_packed(self, pack: int, keys: list[str]) -> dict[str, np.ndarray]:
+        leaves = {k: self.index.leaves[k] for k in keys}
+        ordered = sorted(keys, key=lambda k: leaves[k].at.offset)
+        spans: list[list[int]] = []
+        for k in ordered:
+            at = leaves[k].at
+            if spans and at.offset - spans[-1][1] <= _SPAN_GAP:
+                spans[-1][1] = max(spans[-1][1], at.offset + at.nbytes)
+            else:
+                spans.append([at.offset, at.offset + at.nbytes])
+        info = self.index.packs[pack]
+        try:
+            reader = self._reader_of(DATA_DIR)
+            pending = reader.read_pack_spans(info.path, info.nbytes, info.chunk, [tuple(s) for s in spans])
+            buffers = [(start, _tensorstore.resolve(p)) for (start, _), p in zip(spans, pending)]
+        except CheckpointCorruptedError as e:  # name the values packed there, not the pack alone
+            names = ", ".join(map(describe, ordered[:5])) + (
+                f" and {len(ordered) - 5} more" if len(ordered) > 5 else ""
+            )
+            raise CheckpointCorruptedError(
+                f"Cannot read the data of {names} (packed in {info.path!r} in the checkpoint): {e.__cause__ or e}. "
+                "The checkpoint's files are damaged or truncated."
+            ) from e
+        out = {}
+        for k in ordered:
+            leaf, at = leaves[k], leaves[k].at
+            start, buffer = next((s, b) for s, b in reversed(buffers) if s <= at.offset)
+            raw = buffer[at.offset - start : at.offset - start + at.nbytes]
+            if zlib.crc32(raw) != at.crc32:
+                raise CheckpointCorruptedError(
+                    f"The data of {describe(k)} fails its checksum (pack {info.path!r}, bytes {at.offset}.."
+                    f"{at.offset + at.nbytes}); the checkpoint is damaged."
+                )
+            out[k] = raw.view(leaf.dtype).reshape(leaf.shape)
+        return out
+
+    def _reader_of(self, store: str) -> _tensorstore.Reader:
+        if store not in self._readers:
+            self._readers[store] = _tensorstore.Reader((self.location / store).spec(), strict=self.index.version >= 2)
+        return self._readers[store]
+
+    def _plan_arrays(self, wanted: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[Any, list[Any]]]]:
+        """Which regions each array is read in (those its target's devices here hold, or all of it),
+        and for each, the parts to read from each data store: ({key: (sharding, devices)},
+        {key: {region: [(store, source, into)]}})."""
+        targets, plans = {}, {}
+        for key, template in wanted.items():
+            leaf = self.index.leaves[key]
+            sharding = None if leaf.prng_impl else target_sharding(template, key)
+            if sharding is None:
+                devices = None
+                regions = {(): tuple(slice(None) for _ in leaf.shape)}
+            else:  # only the regions this process's devices hold
+                devices = sharding.addressable_devices_indices_map(leaf.shape)
+                regions = {_hashable(i): i for i in devices.values()}
+            targets[key] = (sharding, devices)
+            plans[key] = {h: self._sources(leaf, index) for h, index in regions.items()}
+        return targets, plans
+
+    @staticmethod
+    def _sources(leaf: ArrayLeaf, index: tuple[slice, ...]) -> _Parts:
+        """The parts of region ``index`` of an array: its shape, and (data store, region there,
+        where it goes in the result, or None when one store holds all of it) for each part."""
+        at = leaf.at
+        want = [s.indices(n)[:2] for s, n in zip(index, leaf.shape)]
+        shape = tuple(hi - lo for lo, hi in want)
+        if at.regions is None and at.layout is None:
+            return shape, [(DATA_DIR, index, None)]
+        return shape, [
+            (
+                store,
+                tuple(slice(lo, hi) for lo, hi in box),
+                tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(box, want)),
+            )
+            for store, box in _format.pieces(at, leaf.shape, want)
+        ]
+
+    def _read_arrays(
+        self, wanted: Mapping[str, Any], targets: dict[str, Any], plans: dict[str, dict[Any, list[Any]]]
+    ) -> dict[str, Any]:
+        leaves = {k: self.index.leaves[k] for k in wanted}
+        # Open every array in every data store that holds a part this process reads, all at once.
+        requests: dict[str, dict[str, tuple[str, str, str, tuple[int, ...], Any]]] = defaultdict(dict)
+        for k, leaf in leaves.items():
+            for _, parts in plans[k].values():
+                for store, _, _ in parts:
+                    requests[store][k] = (k, leaf.at.path, leaf.at.stored, leaf.shape, leaf.at.chunks)
+        stores = {store: self._reader_of(store).open_arrays(list(reqs.values())) for store, reqs in requests.items()}
+        pending_of = {}
+        in_flight = _tensorstore.InFlight(_READ_AHEAD_BYTES, _tensorstore.resolve)
+        for key in wanted:
+            leaf = leaves[key]
+            pending = {}
+            for h, parts in plans[key].items():
+                pending[h] = self._start_read(key, leaf, stores, parts)
+                size = math.prod(parts[0]) * leaf.dtype.itemsize
+                in_flight.add(size, pending[h])
+            pending_of[key] = pending
+        out = {}
+        for key, pending in pending_of.items():
+            leaf = leaves[key]
+            sharding, devices = targets[key]
+            host = {
+                h: cast_for(key, leaf, wanted[key], self._as_logical(leaf, _tensorstore.resolve(p)))
+                for h, p in pending.items()
+            }
+            if sharding is None:
+                out[key] = host[()]
+            else:
+                arrays = jax.device_put([host[_hashable(i)] for i in devices.values()], list(devices))
+                out[key] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+            del host  # the buffers now belong to the jax arrays (aliased on CPU), or are garbage
+        return out
+
+    def read_regions(self, wanted: Mapping[str, list[tuple[slice, ...]]]) -> dict[str, list[np.ndarray]]:
+        """Host data of the given regions of array leaves (stored data: PRNG keys as key data),
+        opening only the data stores that hold them. For tools and benchmarks that have no devices
+        of the target sharding."""
+        plans = {k: [self._sources(self.leaf(k), index) for index in v] for k, v in wanted.items()}
+        self._check_backed(list(wanted), {store for p in plans.values() for _, parts in p for store, _, _ in parts})
+        out = {}
+        for key, regions in plans.items():
+            leaf = self.index.leaves[key]
+            stores = self._open_for(key, leaf, {store for _, parts in regions for store, _, _ in parts})
+            pending = [self._start_read(key, leaf, stores, parts) for parts in regions]
+            out[key] = [self._as_logical(leaf, _tensorstore.resolve(p)) for p in pending]
+        return out
+
+    def _open_for(self, key: str, leaf: ArrayLeaf, needed: Iterable[str]) -> dict[str, Any]:
+        """The array of ``key`` opened in each of the data stores ``needed``."""
+        at = leaf.at
+        return {
+            store: self._reader_of(store).open_arrays([(key, at.path, at.stored, leaf.shape, at.chunks)])
+            for store in needed
+        }
+
+    def read_pieces(self, key: str, budget: int) -> Iterator[np.ndarray]:
+        """The stored data of the array leaf at ``key`` (PRNG keys as key data), in C-order pieces of
+        at most ``budget`` bytes each (or one element row): a large array is never held whole."""
+        leaf = self.leaf(key)
+        if not isinstance(leaf, ArrayLeaf):
+            raise ValueError(f"{describe(key)} is not an array")
+        if isinstance(leaf.at, InPack) or leaf.nbytes <= budget:
+            value = self.load({key: NO_TEMPLATE})[key]
+            yield np.asarray(jax.random.key_data(value) if leaf.prng_impl else value)
+            return
+        self._check_backed([key], set(_format.stores_of(leaf.at)))
+        stores = self._open_for(key, leaf, _format.stores_of(leaf.at))
+        for index in _pieces(leaf.shape, leaf.dtype.itemsize, budget):
+            parts = self._sources(leaf, index)
+            yield self._as_logical(leaf, _tensorstore.resolve(self._start_read(key, leaf, stores, parts)))
+
+    def _start_read(self, key: str, leaf: ArrayLeaf, stores: Mapping[str, Any], plan: _Parts) -> Any:
+        """Start reading a region of the array from its parts (see :meth:`_sources`): from one
+        store, or assembled from the parts of several."""
+        at = leaf.at
+        shape, parts = plan
+        if len(parts) == 1 and parts[0][2] is None:
+            store, source, _ = parts[0]
+            return self._reader_of(store).read_regions(key, at.path, stores[store][key], [source])[0]
+        pieces = [
+            (into, self._reader_of(store).read_regions(key, at.path, stores[store][key], [source])[0])
+            for store, source, into in parts
+        ]
+        return (key, at.path, _Assembly(shape, np.dtype(at.stored), pieces))
+
+    @staticmethod
+    def _as_logical(leaf: ArrayLeaf, data: np.ndarray) -> np.ndarray:
+        return data if data.dtype == leaf.dtype else data.view(leaf.dtype)
+
+
+def _pieces(shape: tuple[int, ...], itemsize: int, budget: int) -> Iterator[tuple[slice, ...]]:
+    """Regions covering ``shape`` in C order, each at most ``budget`` bytes (or one element row)."""
+    if not shape or math.prod(shape) * itemsize <= budget:
+        yield tuple(slice(0, n) for n in shape)
+        return
+    inner = math.prod(shape[1:]) * itemsize
+    if inner <= budget or len(shape) == 1:
+        rows = max(1, budget // max(1, inner))
+        for start in range(0, shape[0], rows):
+            yield (slice(start, min(start + rows, shape[0])), *(slice(0, n) for n in shape[1:]))
+        return
+    for i in range(shape[0]):
+        for rest in _pieces(shape[1:], itemsize, budget):
+            yield (slice(i, i + 1), *rest)
+
+
+class _Assembly:
+    """One region of an array, put together from pieces read from several data stores."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, pieces: list[tuple[tuple[slice, ...], Any]]) -> None:
+        self._shape, self._dtype, self._pieces = shape, dtype, pieces
+        self._out: np.ndarray | None = None
+
+    def result(self) -> np.ndarray:
+        if self._out is None:  # resolved once, however often asked
+            out = _tensorstore.aligned_empty(self._shape, self._dtype)
+            for into, pending in self._pieces:
+                out[into] = _tensorstore.resolve(pending)
+            self._out, self._pieces = out, []
+        return self._out
+
+
+class ForeignOpened(Opened):
+    """A checkpoint that another library wrote (``jaxckpt._formats``), read through the same calls.
+
+    Values are read whole, then placed as their templates want, as for jaxckpt's own checkpoints.
+    """
+
+    def __init__(self, checkpoint: _formats.ForeignCheckpoint) -> None:
+        self.checkpoint = checkpoint
+        self.format = checkpoint.name
+        self.skipped = checkpoint.skipped
+        self.path = checkpoint.path
+        self.location = _storage.location(checkpoint.path)
+        self.index = checkpoint.index
+        self._read_keys: set[str] = set()
+
+    def exists(self) -> bool:
+        return os.path.exists(self.path) or os.path.exists(self.path + ".index")
+
+    def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key in wanted:
+            if isinstance(self.index.leaves[key], ArrayLeaf):
+                out[key] = self.checkpoint.read(key)
+                self._read_keys.add(key)
+        return out
+
+    @property
+    def stores_opened(self) -> list[str]:
+        return []
+
+    def read_regions(self, wanted: Mapping[str, list[tuple[slice, ...]]]) -> dict[str, list[np.ndarray]]:
+        return {key: [self.checkpoint.read(key)[index] for index in regions] for key, regions in wanted.items()}
+
+    def read_pieces(self, key: str, budget: int) -> Iterator[np.ndarray]:
+        leaf = self.leaf(key)
+        if not isinstance(leaf, ArrayLeaf):
+            raise ValueError(f"{describe(key)} is not an array")
+        data = self.checkpoint.read(key)  # foreign formats are read whole; then handed on in pieces
+        for index in _pieces(leaf.shape, leaf.dtype.itemsize, budget):
+            yield data[index]
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Opened:
+    """The checkpoint at ``path``, in whichever format is on disk: jaxckpt's own (a folder with an
+    index), or a TensorFlow, Orbax, Flax msgpack or safetensors checkpoint (local paths)."""
+    location = _storage.location(path)
+    if location.local is not None and not _storage.is_checkpoint(location):
+        module = _formats.detect(location.local)
+        if module is not None:
+            return ForeignOpened(_formats.ForeignCheckpoint(module.open(str(location.local))))
+    try:
+        return Opened(path)
+    except NotACheckpointError as e:
+        if location.local is None:
+            raise
+        raise NotACheckpointError(
+            f"{e} Nor is it a checkpoint of another library that jaxckpt reads: a TensorFlow prefix (with "
+            "PREFIX.index beside it), an Orbax checkpoint folder, a Flax msgpack or a safetensors file."
+        ) from None
+
+
+def open_latest(path: str | os.str | os.PathLike[str][str]) -> Opened:
+    """The checkpoint at ``path``; a manager's directory (a state file, no index) means its latest
+    checkpoint, as TensorFlow's ``load_variable`` takes a directory. So does a directory that
+    TensorFlow's, Orbax's or Flax's manager keeps."""
+    location = _storage.location(path)
+    if not _storage.is_checkpoint(location):
+        foreign = _foreign_manager(location)  # first: TensorFlow's state file has jaxckpt's name
+        if foreign is not None:
+            module, latest = foreign
+            if latest is None:
+                raise CheckpointNotFoundError(
+                    f"{os.fspath(path)!r} is a {module.NAME} manager's directory with no complete checkpoint in it."
+                )
+            return open_checkpoint(latest)
+        infos = _statefile.read_state(os.fspath(path))  # None: no state file, so not a manager's directory
+        if infos is not None:
+            if not infos:
+                raise CheckpointNotFoundError(
+                    f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
+                )
+            return Opened(infos[-1].path)
+    return open_checkpoint(path)
+
+
+def _foreign_manager(location: _storage.Location) -> tuple[Any, str | None] | None:
+    """(format module, its latest checkpoint or None) if a foreign format's manager keeps the folder."""
+    if location.local is None or _formats.detect(location.local) is not None:
+        return None  # an Orbax step folder is one checkpoint, not a manager's directory
+    module = _formats.manager_of(location.local)
+    return None if module is None else (module, module.latest(str(location.local)))
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The latest checkpoint in ``directory``, or None if it holds none.
+
+    For a :class:`~jaxckpt.CheckpointManager`'s directory it reads only the state file (no lock
+    needed: it is replaced atomically)::
+
+        path = jaxckpt.latest_checkpoint("ckpts")   # "ckpts/ckpt-10"
+        if path is not None:
+            ckpt.restore(path)
+
+    It sees what is recorded on disk now: a manager's asynchronous ``save()`` records its checkpoint
+    in the background, so right after ``save()`` returns this may still name the previous one. Call
+    ``manager.wait_until_finished()`` first, or ask the manager (``manager.latest_checkpoint`` waits).
+
+    It also reads the directories that other libraries' managers keep: TensorFlow's (its
+    ``checkpoint`` file: ``".../tf_ckpts/ckpt-5"``), Orbax's (the newest finished step folder) and
+    ``flax.training.checkpoints``' (the newest ``checkpoint_<step>`` file).
+    """
+    foreign = _foreign_manager(_storage.location(directory))
+    return _statefile.latest_checkpoint(directory) if foreign is None else foreign[1]
