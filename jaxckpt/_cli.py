@@ -32,40 +32,34 @@ import json
 import math
 import os
 import sys
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from jaxckpt import _statefile, _storage
+from jaxckpt._diff import diff
 from jaxckpt._errors import (
-    CheckpointFormatError,
     JaxckptError,
     NotACheckpointError,
     StorageError,
-    UnsupportedVersionError,
 )
 from jaxckpt._format import ArrayLeaf, InForeign, InPack, Leaf, ValueLeaf
 from jaxckpt._inspect import (
     CheckpointView,
     ManagerView,
     json_value,
-    key_matcher,
     leaf_json,
     leaf_shape,
     leaf_type,
-    selected,
 )
 from jaxckpt._progress import Progress, human_bytes
-from jaxckpt._reader import ForeignOpened, Opened, open_latest
+from jaxckpt._reader import Opened, open_latest
+from jaxckpt._scan import Stats, number_text, pieces
 from jaxckpt._statefile import is_manager_directory
-from jaxckpt._templates import NO_TEMPLATE
 from jaxckpt._tree import describe
+from jaxckpt._verify import Verified, verify
 
-# Values are read in batches of about this many bytes (a larger array alone), one `load` each:
-# few reads for many small leaves, and memory bounded by the batch or the largest array.
-BATCH_BYTES = 64 << 20
 # Arrays of at most this many elements are printed whole by `show`.
 _PRINT_WHOLE = 100
 
@@ -74,145 +68,6 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 class UsageError(Exception):
     """The arguments make no sense together (exit status 2)."""
-
-
-# --- reading -----------------------------------------------------------------------------------
-
-
-def _raw(leaf: ArrayLeaf, value: Any) -> np.ndarray:
-    """What ``load`` returned as plain numpy: PRNG keys as their key data."""
-    if leaf.prng_impl:
-        import jax
-
-        return np.asarray(jax.random.key_data(value))
-    return np.asarray(value)
-
-
-def batches(opened: Opened, keys: Sequence[str], budget: int = BATCH_BYTES) -> Iterator[list[str]]:
-    """``keys`` of array leaves in groups of about ``budget`` bytes, each to read with one ``load``.
-
-    Packed leaves are grouped by pack, in offset order, so that a group is one span of its pack.
-    Arrays are read whole (``Opened`` reads whole arrays), so a larger array is a group of its own.
-    """
-    leaves = opened.index.leaves
-    by_pack: dict[int, list[str]] = defaultdict(list)
-    arrays: list[str] = []
-    for key in keys:
-        at = leaves[key].at
-        (by_pack[at.pack] if isinstance(at, InPack) else arrays).append(key)
-    groups = [sorted(ks, key=lambda k: leaves[k].at.offset) for ks in by_pack.values()] + [arrays]
-    for group in groups:
-        batch, size = [], 0
-        for key in group:
-            if batch and size + leaves[key].nbytes > budget:
-                yield batch
-                batch, size = [], 0
-            batch.append(key)
-            size += leaves[key].nbytes
-        if batch:
-            yield batch
-
-
-def read_arrays(opened: Opened, keys: Sequence[str]) -> dict[str, np.ndarray]:
-    """The arrays at ``keys`` as numpy (PRNG keys as key data), read and checksummed in one batch."""
-    values = opened.load(dict.fromkeys(keys, NO_TEMPLATE))
-    return {k: _raw(opened.index.leaves[k], v) for k, v in values.items()}
-
-
-def pieces(opened: Opened, key: str) -> Iterator[np.ndarray]:
-    """The array at ``key`` in C-order pieces of at most BATCH_BYTES: memory stays bounded whatever its size."""
-    return opened.read_pieces(key, BATCH_BYTES)
-
-
-def _one_large(opened: Opened, batch: Sequence[str]) -> bool:
-    return len(batch) == 1 and opened.index.leaves[batch[0]].nbytes > BATCH_BYTES
-
-
-# --- statistics --------------------------------------------------------------------------------
-
-
-def _numeric(data: np.ndarray) -> np.ndarray:
-    """Values to compute statistics on: ints stay exact, floats (bfloat16, float8...) become float64."""
-    name = data.dtype.name
-    if data.dtype == np.bool_:
-        return data.astype(np.uint8)
-    if name in ("int2", "int4"):
-        return data.astype(np.int8)
-    if name in ("uint2", "uint4"):
-        return data.astype(np.uint8)
-    if data.dtype.kind in "iu":
-        return data
-    if data.dtype.kind == "c":
-        return np.abs(data.astype(np.complex128))  # statistics of |x|
-    return data.astype(np.float64)
-
-
-@dataclasses.dataclass
-class Stats:
-    """Streaming statistics: min, max, mean, std and L2 norm of the finite values, NaN and Inf counts.
-
-    Arrays may be added in parts (slabs of a large array): parts are combined with Chan et al.'s
-    parallel update of the mean and the sum of squared deviations, which stays accurate where
-    sum-of-squares formulas cancel.
-    """
-
-    size: int = 0
-    nan: int = 0
-    inf: int = 0
-    finite: int = 0
-    min: Any = None
-    max: Any = None
-    mean: float = 0.0
-    m2: float = 0.0
-    sumsq: float = 0.0
-    of_abs: bool = False  # complex arrays: statistics of |x|
-
-    def add(self, data: np.ndarray) -> None:
-        self.size += data.size
-        self.of_abs = self.of_abs or data.dtype.kind == "c"
-        values = _numeric(data).reshape(-1)
-        if values.dtype.kind == "f":
-            nan = np.isnan(values)
-            inf = np.isinf(values)
-            self.nan += int(nan.sum())
-            self.inf += int(inf.sum())
-            if self.nan or self.inf:
-                values = values[~(nan | inf)]
-        if not values.size:
-            return
-        lo, hi = values.min().item(), values.max().item()
-        self.min = lo if self.min is None else min(self.min, lo)
-        self.max = hi if self.max is None else max(self.max, hi)
-        as_float = values.astype(np.float64)
-        n, mean = as_float.size, float(as_float.mean())
-        m2 = float(((as_float - mean) ** 2).sum())
-        total = self.finite + n
-        delta = mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += m2 + delta * delta * self.finite * n / total
-        self.finite = total
-        self.sumsq += float((as_float * as_float).sum())
-
-    def to_json(self) -> dict[str, Any]:
-        finite = self.finite > 0
-        return {
-            "size": self.size,
-            "finite": self.finite,
-            "nan": self.nan,
-            "inf": self.inf,
-            "min": json_value(self.min),
-            "max": json_value(self.max),
-            "mean": self.mean if finite else None,
-            "std": math.sqrt(self.m2 / self.finite) if finite else None,
-            "norm": math.sqrt(self.sumsq),
-            "of_abs": self.of_abs,
-        }
-
-
-def _number(x: Any) -> str:
-    if x is None:
-        return "-"
-    return str(x) if isinstance(x, int) else f"{x:.6g}"
 
 
 # --- output helpers ----------------------------------------------------------------------------
@@ -240,7 +95,7 @@ def _tree_ascii() -> bool:
         return True
 
 
-def _not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointError:
+def not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointError:
     """The error, with the checkpoints the folder holds, if any: the usual slip is one level too high."""
     folder = _storage.location(path)
     try:
@@ -251,13 +106,6 @@ def _not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointEr
         return error
     shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
     return NotACheckpointError(f"{path!r} is not a checkpoint, but it holds checkpoints: {shown}. Pass one of them.")
-
-
-def _open_view(path: str, patterns: Sequence[str] = ()) -> CheckpointView:
-    try:
-        return CheckpointView(path, patterns)
-    except NotACheckpointError as e:
-        raise _not_a_checkpoint(path, e) from None
 
 
 def _one_checkpoint(path: str) -> str:
@@ -283,7 +131,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
             )
         view: CheckpointView | ManagerView = ManagerView(args.path)
     else:
-        view = _open_view(args.path, args.patterns)
+        view = CheckpointView(args.path, args.patterns)
     if args.json:
         _print_json(view.to_json())
     elif args.flat and isinstance(view, CheckpointView):
@@ -337,18 +185,18 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if args.values < 0:
         raise UsageError(f"--values must be 0 or more, not {args.values}.")
     path = _one_checkpoint(args.path)
-    view = _open_view(path)
-    index, key = view.index, args.key
+    opened = open_latest(path)
+    index, key = opened.index, args.key
     if key in index.nodes:
         info = index.nodes[key]
-        sub = view.filter(key)
+        sub = CheckpointView(path, [key])
         if args.json:
             _print_json({**sub.to_json(), "node": {"key": key, "kind": info.kind, "class": info.cls}})
         else:
             print(f"{describe(key)} is a node ({info.kind}, {info.cls}), not a value; it holds:")
             print(sub.text(ascii=_tree_ascii()))
         return EXIT_OK
-    leaf = view._opened.leaf(key)  # MissingKeyError, with close matches, for a wrong key
+    leaf = opened.leaf(key)  # MissingKeyError, with close matches, for a wrong key
     if isinstance(leaf, ValueLeaf):
         if args.json:
             _print_json(leaf_json(key, leaf))
@@ -358,7 +206,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             _print_rows([*rows, ("value", value)])
         return EXIT_OK
     with Progress(leaf.nbytes, f"show {key}") as progress:
-        stats, first = _first_values(view._opened, key, leaf, args.values, progress)
+        stats, first = _first_values(opened, key, leaf, args.values, progress)
     doc = {**leaf_json(key, leaf), "stored": _where(leaf)}
     if not leaf.prng_impl:
         doc["stats"] = stats.to_json()
@@ -382,11 +230,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
         of = " of |x|" if stats.of_abs else ""
         finite = f" (of the {stats.finite:,} finite values)" if stats.nan or stats.inf else ""
         rows += [
-            (f"min{of}", _number(s["min"]) + finite),
-            (f"max{of}", _number(s["max"])),
-            (f"mean{of}", _number(s["mean"])),
-            (f"std{of}", _number(s["std"])),
-            ("norm", _number(s["norm"])),
+            (f"min{of}", number_text(s["min"]) + finite),
+            (f"max{of}", number_text(s["max"])),
+            (f"mean{of}", number_text(s["mean"])),
+            (f"std{of}", number_text(s["std"])),
+            ("norm", number_text(s["norm"])),
             ("nan", f"{stats.nan:,}"),
             ("inf", f"{stats.inf:,}"),
         ]
@@ -422,108 +270,9 @@ def _print_rows(rows: Sequence[tuple[str, str]]) -> None:
 # --- diff --------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Diff:
-    """How checkpoint B differs from checkpoint A."""
-
-    added: list[str] = dataclasses.field(default_factory=list)
-    removed: list[str] = dataclasses.field(default_factory=list)
-    changed: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)  # key, A's kind, B's kind
-    different: list[tuple[str, float | None, str]] = dataclasses.field(default_factory=list)  # key, max |a-b|, text
-    same: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def identical(self) -> bool:
-        return not (self.added or self.removed or self.changed or self.different)
-
-
-def _kind(leaf: Leaf) -> str:
-    if isinstance(leaf, ValueLeaf):
-        return leaf.type
-    return f"{leaf_type(leaf)} {leaf_shape(leaf)}"
-
-
-def _comparable(x: np.ndarray) -> np.ndarray:
-    """Values that compare exactly: ints as ints, every float type as float64, complex as complex128."""
-    return x.astype(np.complex128) if x.dtype.kind == "c" else _numeric(x)
-
-
-def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b| of two arrays of one dtype and shape; NaN where NaN meets a number, NaN == NaN."""
-    a, b = _comparable(a), _comparable(b)
-    equal = a == b
-    if a.dtype.kind in "fc":
-        equal |= np.isnan(a) & np.isnan(b)
-    if equal.all():
-        return 0.0
-    to = np.complex128 if a.dtype.kind == "c" else np.float64  # floats: no integer wraparound
-    d = np.abs(a[~equal].astype(to) - b[~equal].astype(to))
-    return float("nan") if np.isnan(d).any() else float(d.max())
-
-
-def diff(a: str, b: str, patterns: Sequence[str] = (), *, atol: float = 0.0, progress: Progress | None = None) -> Diff:
-    """Compare the values of two checkpoints key by key (only the keys matching ``patterns``, if any)."""
-    va, vb = _open_view(a, patterns), _open_view(b, patterns)
-    la, lb = va.leaves, vb.leaves
-    out = Diff()
-    out.removed = [k for k in la if k not in lb]
-    out.added = [k for k in lb if k not in la]
-    match = key_matcher(patterns)
-    nodes_b = vb.index.nodes
-    for key, info in va.index.nodes.items():  # a list that became a tuple, a dict that became a module...
-        if key in nodes_b and info.kind != nodes_b[key].kind and (match is None or selected(key, match)):
-            out.changed.append((key, info.kind, nodes_b[key].kind))
-    progress = progress or Progress(0, "", enabled=False)
-    verdicts: dict[str, tuple[float | None, str] | None] = {}  # key -> None (same) or (max |a-b|, text)
-    comparable: list[str] = []  # arrays of one dtype and shape on both sides
-    for key, x in la.items():
-        y = lb.get(key)
-        if y is None:
-            continue
-        if _kind(x) != _kind(y) or (isinstance(x, ArrayLeaf) and x.prng_impl != y.prng_impl):
-            out.changed.append((key, _kind(x), _kind(y)))
-        elif isinstance(x, ValueLeaf):
-            if json.dumps(json_value(x.value), sort_keys=True) == json.dumps(json_value(y.value), sort_keys=True):
-                verdicts[key] = None
-            else:
-                show = lambda v: json.dumps(json_value(v.value), ensure_ascii=False)  # noqa: E731
-                verdicts[key] = (None, f"{show(x)} -> {show(y)}")
-        else:
-            comparable.append(key)
-    for batch in batches(va._opened, comparable):
-        if _one_large(va._opened, batch):  # piece by piece, never whole
-            (key,) = batch
-            worst = 0.0
-            for x, y in zip(pieces(va._opened, key), pieces(vb._opened, key)):
-                worst = max(worst, _max_abs_diff(x, y), key=lambda d: (math.isnan(d), d))
-                progress.update(x.nbytes)
-            if math.isnan(worst) or worst > atol:
-                text = "different keys" if la[key].prng_impl else f"max |a - b| = {_number(worst)}"
-                verdicts[key] = (worst, text)
-            else:
-                verdicts[key] = None
-            continue
-        xs, ys = read_arrays(va._opened, batch), read_arrays(vb._opened, batch)
-        for key in batch:
-            worst = _max_abs_diff(xs[key], ys[key])
-            if math.isnan(worst) or worst > atol:
-                text = "different keys" if la[key].prng_impl else f"max |a - b| = {_number(worst)}"
-                verdicts[key] = (worst, text)
-            else:
-                verdicts[key] = None
-        progress.update(sum(x.nbytes for x in xs.values()))
-    for key in la:  # report in graph order
-        if key in verdicts:
-            if verdicts[key] is None:
-                out.same.append(key)
-            else:
-                out.different.append((key, *verdicts[key]))
-    return out
-
-
 def _cmd_diff(args: argparse.Namespace) -> int:
     a, b = _one_checkpoint(args.a), _one_checkpoint(args.b)
-    total = sum(v.nbytes for v in _open_view(a, args.patterns).leaves.values() if isinstance(v, ArrayLeaf))
+    total = sum(v.nbytes for v in CheckpointView(a, args.patterns).leaves.values() if isinstance(v, ArrayLeaf))
     with Progress(total, "diff") as progress:
         result = diff(a, b, args.patterns, atol=args.atol, progress=progress)
     if args.json:
@@ -561,76 +310,6 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 # --- verify ------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Verified:
-    path: str
-    values: int = 0
-    nbytes: int = 0
-    checked: str = "every checksum matches"  # what an OK means for this format
-    damaged: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # key ("" for the index), message
-    # Values the storage refused to give (permissions, a network error): not known to be damaged.
-    unreadable: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.damaged and not self.unreadable
-
-
-def verify(path: str, progress: Progress | None = None) -> Verified:
-    """Read every value of the checkpoint at ``path``, checking every checksum; damage is collected, not raised.
-
-    The index's own checksum is checked when it is opened; packed leaves carry a CRC-32 each, and
-    every chunk of a large array a CRC-32C, which TensorStore checks as it reads; a missing chunk and
-    a ``zarr.json`` that differs from what the index implies are damage too. What the storage refuses
-    to read (permissions, a network error) is collected apart, as ``unreadable``.
-    """
-    result = Verified(path)
-    try:
-        opened = open_latest(path)
-    except NotACheckpointError as e:
-        raise _not_a_checkpoint(path, e) from None
-    except UnsupportedVersionError:
-        raise  # not damage: a newer jaxckpt wrote it
-    except CheckpointFormatError as e:  # a damaged index: nothing in it can be trusted
-        result.damaged.append(("", str(e)))
-        return result
-    except StorageError as e:
-        result.unreadable.append(("", str(e)))
-        return result
-    leaves = opened.index.leaves
-    result.values = len(leaves)
-    if isinstance(opened, ForeignOpened) and not getattr(opened.checkpoint.reader, "checksums", False):
-        result.checked = f"every size and offset checked ({opened.format} stores no checksums)"
-    progress = progress or Progress(0, "", enabled=False)
-    arrays = [k for k, v in leaves.items() if isinstance(v, ArrayLeaf)]
-
-    def read(keys: Sequence[str]) -> None:
-        if _one_large(opened, keys):
-            for _ in pieces(opened, keys[0]):  # piece by piece, never whole
-                pass
-        else:
-            read_arrays(opened, keys)
-
-    def record(key: str, error: JaxckptError) -> None:
-        (result.unreadable if isinstance(error, StorageError) else result.damaged).append((key, str(error)))
-
-    for batch in batches(opened, arrays):
-        try:
-            read(batch)
-        except (CheckpointFormatError, StorageError) as e:
-            if len(batch) == 1:
-                record(batch[0], e)
-            for key in batch if len(batch) > 1 else ():  # which of them are damaged
-                try:
-                    read([key])
-                except (CheckpointFormatError, StorageError) as each:
-                    record(key, each)
-        size = sum(leaves[k].nbytes for k in batch)
-        result.nbytes += size
-        progress.update(size)
-    return result
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

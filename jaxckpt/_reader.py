@@ -459,7 +459,10 @@ def open_latest(path: str | os.str | os.PathLike[str][str]) -> Opened:
                     f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
                 )
             return Opened(infos[-1].path)
-    return open_checkpoint(path)
+    try:
+        return open_checkpoint(path)
+    except NotACheckpointError as e:
+        raise not_a_checkpoint(os.fspath(path), e) from None
 
 
 def _foreign_manager(location: _storage.Location) -> tuple[Any, str | None] | None:
@@ -490,3 +493,16 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     """
     foreign = _foreign_manager(_storage.location(directory))
     return _statefile.latest_checkpoint(directory) if foreign is None else foreign[1]
+
+
+def not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointError:
+    """The error, with the checkpoints the folder holds, if any: the usual slip is one level too high."""
+    folder = _storage.location(path)
+    try:
+        found = [name for name in _storage.children(folder) if _storage.is_checkpoint(folder / name)]
+    except OSError:
+        found = []
+    if not found:
+        return error
+    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    return NotACheckpointError(f"{path!r} is not a checkpoint, but it holds checkpoints: {shown}. Pass one of them.")

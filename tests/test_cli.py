@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _cli
+from jaxckpt import _cli, _scan
 
 RNG = np.random.default_rng(0)
 KERNEL = RNG.standard_normal((4, 3)).astype(np.float32)
@@ -177,7 +177,7 @@ def test_show_nan_inf_and_sharding(capsys, tmp_path, small_packs):
 
 def test_stats_added_in_parts_equal_stats_of_the_whole():
     x = (RNG.standard_normal(10_000) * 3 + 1e4).astype(np.float64)  # a large mean: naive formulas cancel
-    whole, parts = _cli.Stats(), _cli.Stats()
+    whole, parts = _scan.Stats(), _scan.Stats()
     whole.add(x)
     for part in np.array_split(x, 7):
         parts.add(part)
@@ -186,7 +186,7 @@ def test_stats_added_in_parts_equal_stats_of_the_whole():
     for name in ("mean", "std", "norm"):
         assert a[name] == pytest.approx(b[name], rel=1e-12)
     assert a["std"] == pytest.approx(x.std(), rel=1e-12)
-    ints = _cli.Stats()
+    ints = _scan.Stats()
     ints.add(np.array([2**62, -(2**62), 5], np.int64))
     assert ints.to_json()["max"] == 2**62 and ints.to_json()["min"] == -(2**62)  # exact
 
@@ -293,10 +293,10 @@ def test_verify_reads_in_batches(capsys, tmp_path, monkeypatch):
     tree |= {f"big{i}": np.full(40, i, np.float32) for i in range(3)}
     path = jaxckpt.save(tmp_path / "c", tree)
     opened = jaxckpt.inspect(path)._opened
-    groups = list(_cli.batches(opened, list(tree), budget=40))
+    groups = list(_scan.batches(opened, list(tree), budget=40))
     assert sorted(k for g in groups for k in g) == sorted(tree)
     assert [len(g) for g in groups] == [2, 2, 2, 1, 1, 1]  # packed: 16 bytes each; arrays: 160 bytes alone
-    monkeypatch.setattr(_cli, "BATCH_BYTES", 40)
+    monkeypatch.setattr(_scan, "BATCH_BYTES", 40)
     flip_byte(path, np.full(40, 1, np.float32).tobytes()[:64])
     code, out, _ = run(capsys, "verify", path)
     assert code == 1 and [line.split(":")[0].strip() for line in out.splitlines()[1:]] == ["big1"]

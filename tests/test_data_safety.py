@@ -17,7 +17,7 @@ import pytest
 import tensorstore as ts
 
 import jaxckpt
-from jaxckpt import _cli, _save, _tensorstore
+from jaxckpt import _cli, _save, _scan, _tensorstore, _verify
 
 
 def _ocdbt(path: Path, store: str = "data") -> ts.KvStore:
@@ -56,7 +56,7 @@ def test_a_deleted_chunk_is_an_error_not_zeros(tmp_path):
         jaxckpt.restore(path)
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match="missing"):
         jaxckpt.load_variable(path, "w")
-    result = _cli.verify(str(path))
+    result = _verify.verify(str(path))
     assert [k for k, _ in result.damaged] == ["w"] and not result.ok
 
 
@@ -65,7 +65,7 @@ def test_chunks_of_zeros_are_stored_and_read_back(tmp_path):
     path, values = _chunked(tmp_path, np.zeros((1024, 4096), np.float32))
     assert len([k for k in _ocdbt(path).list().result() if b"/c/" in k]) == 2
     np.testing.assert_array_equal(jaxckpt.restore(path)["w"], values)
-    assert _cli.verify(str(path)).ok
+    assert _verify.verify(str(path)).ok
 
 
 def test_a_deleted_pack_chunk_is_an_error(tmp_path):
@@ -120,7 +120,7 @@ def test_a_crafted_zarr_json_is_refused_before_reading(tmp_path, case):
     # Before the fix the 2**40 chunk shape aborted the process (std::bad_alloc), in restore and verify.
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'"):
         jaxckpt.restore(path, like={"w": np.zeros((1024, 4096), np.float32)})
-    result = _cli.verify(str(path))
+    result = _verify.verify(str(path))
     assert [k for k, _ in result.damaged] == ["w"]
 
 
@@ -194,7 +194,7 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
         return Refused(path)
 
     monkeypatch.setattr(_tensorstore.Reader, "_open", refuse)
-    result = _cli.verify(str(path))
+    result = _verify.verify(str(path))
     assert not result.damaged and [k for k, _ in result.unreadable] == ["w"]
     assert _cli.main(["verify", str(path)]) == 1
     out = capsys.readouterr()
@@ -280,7 +280,7 @@ def test_cli_reads_large_arrays_in_bounded_pieces(tmp_path, monkeypatch, capsys,
     b = a.copy()
     b.reshape(-1)[-1] += 1.0  # differs in the very last element
     pa, pb = jaxckpt.save(tmp_path / "a", {"w": a}), jaxckpt.save(tmp_path / "b", {"w": b})
-    monkeypatch.setattr(_cli, "BATCH_BYTES", 256 << 10)
+    monkeypatch.setattr(_scan, "BATCH_BYTES", 256 << 10)
     sizes: list[int] = []
     real = _tensorstore.aligned_empty
 
