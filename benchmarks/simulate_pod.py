@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxckpt
-from jaxckpt import _format, _reader, _storage, _tensorstore
+from jaxckpt import _format, _index_json, _reader, _storage, _tensorstore
 from jaxckpt._format import ArrayLeaf, InArray, Index, Layout, MeshRecord
 from jaxckpt._tree import flatten
 
@@ -101,7 +101,7 @@ def build(
             ]
             writer.add_array(leaf.at.path, shape, leaf.dtype, chunks, parts)
         writer.flush()
-    (folder / _format.INDEX_FILE).write_bytes(_format.encode_index(index))
+    (folder / _format.INDEX_FILE).write_bytes(_index_json.encode_index(index))
     return index
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from jaxckpt import _async, _lock, _multihost, _save, _statefile, _storage
+from jaxckpt import _async, _lock, _multihost, _save, _staging, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._errors import (
     CheckpointNotFoundError,
@@ -243,7 +243,7 @@ def _write(
         _multihost.agree(prepared.token)
     except BaseException:
         if _multihost.is_primary():
-            _storage.discard(prepared.staging)
+            _staging.discard(prepared.staging)
         raise
     if recorder is None:
         if blocking:

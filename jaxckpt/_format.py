@@ -1,8 +1,8 @@
-"""The index: what a checkpoint holds, as plain JSON, versioned and checksummed.
+"""The index's records: what a checkpoint holds (nodes, leaves and where each is stored), the
+format's constants and dtypes, and where the regions of a sharded array are.
 
-The README's "Format" section is the specification; this module writes and parses it. Parsing is
-defensive: a crafted index can only produce a :class:`CheckpointFormatError`, never a path outside the
-checkpoint, an object dtype, or an allocation that its own data does not back.
+The README's "Format" section is the specification; :mod:`jaxckpt._index_json` writes and parses the
+index as JSON.
 """
 
 from __future__ import annotations
@@ -10,25 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import math
-import re
-import zlib
-from collections.abc import Mapping
 from typing import Any
 
-import jax
 import ml_dtypes
 import numpy as np
 
-from jaxckpt._errors import (
-    CheckpointCorruptedError,
-    CheckpointFormatError,
-    UnsupportedValueError,
-    UnsupportedVersionError,
-)
-from jaxckpt._tree import CHECKPOINT as CHECKPOINT_KIND
-from jaxckpt._tree import NODE_KINDS, NodeInfo, child_keys, describe
+from jaxckpt._tree import NodeInfo, child_keys
 
 FORMAT_NAME = "jaxckpt"
 # Version 2: every chunk is stored (a missing chunk is damage, never a fill value), and the index
@@ -39,7 +27,6 @@ FORMAT_NAME = "jaxckpt"
 FORMAT_VERSION = 3
 INDEX_FILE = "index.json"
 DATA_DIR = "data"  # an OCDBT database holding the zarr3 arrays that process 0 wrote
-_STORE = re.compile(r"^data(\.p[1-9][0-9]{0,5})?$")
 
 
 def data_store(process: int) -> str:
@@ -60,8 +47,6 @@ MAX_CHUNK_BYTES = 256 << 20
 # Nesting depth of the node graph. Restores rebuild trees recursively, about two Python frames a
 # level, so a deeper graph would exhaust the interpreter's stack; no real model comes near it.
 MAX_DEPTH = 256
-_ARRAY_PATH = re.compile(r"^a/[0-9]{1,9}$")
-_PACK_PATH = re.compile(r"^p/[0-9]{1,9}$")
 
 # Container of an array leaf: how it comes back without a template.
 JAX, NUMPY, NUMPY_SCALAR = "jax", "numpy", "numpy_scalar"
@@ -239,13 +224,13 @@ def _offsets(layout: Layout) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def _shards(layout: Layout, shape: tuple[int, ...]) -> list[int]:
+def shard_shape(layout: Layout, shape: tuple[int, ...]) -> list[int]:
     """The size of a shard along each dimension."""
     return [n // len(o) for n, o in zip(shape, _offsets(layout))]
 
 
 def _layout_pieces(layout: Layout, shape: tuple[int, ...], want: Box) -> list[tuple[str, Box]]:
-    offsets, sizes = _offsets(layout), _shards(layout, shape)
+    offsets, sizes = _offsets(layout), shard_shape(layout, shape)
     if 0 in sizes or any(lo >= hi for lo, hi in want):
         return []
     ranges = [range(lo // b, (hi - 1) // b + 1) for (lo, hi), b in zip(want, sizes)]
@@ -296,7 +281,7 @@ def store_bytes(at: InArray, shape: tuple[int, ...], itemsize: int, store: str) 
     """The bytes of values of this array that the data store ``store`` holds."""
     if at.layout is not None:
         process = 0 if store == DATA_DIR else int(store[len(DATA_DIR) + 2 :])
-        return _owned(at.layout).get(process, 0) * math.prod(_shards(at.layout, shape)) * itemsize
+        return _owned(at.layout).get(process, 0) * math.prod(shard_shape(at.layout, shape)) * itemsize
     if at.regions is None:
         return math.prod(shape) * itemsize if store == DATA_DIR else 0
     return sum(math.prod(b - a for a, b in r) for r in at.regions.get(store, ())) * itemsize
@@ -307,412 +292,3 @@ def stores_of(at: InArray) -> list[str]:
     if at.layout is not None:
         return [data_store(p) for p in sorted(_owned(at.layout))]
     return list(at.regions or (DATA_DIR,))
-
-
-# --- writing -----------------------------------------------------------------------------------
-
-
-def _float_to_json(x: float) -> float | str:
-    return x if math.isfinite(x) else repr(x)  # "nan", "inf", "-inf"
-
-
-def _leaf_to_json(leaf: Leaf, meshes: Mapping[int, int]) -> dict[str, Any]:
-    if isinstance(leaf, ValueLeaf):
-        value = _float_to_json(leaf.value) if leaf.type == "float" else leaf.value
-        return {"type": leaf.type, "value": value}
-    out: dict[str, Any] = {
-        "type": "prng_key" if leaf.prng_impl else "array",
-        "dtype": _NAMES[leaf.dtype],
-        "shape": list(leaf.shape),
-        "container": leaf.container,
-    }
-    if leaf.prng_impl:
-        out["impl"] = leaf.prng_impl
-    if leaf.sharding:
-        out["sharding"] = leaf.sharding
-    at = leaf.at
-    if isinstance(at, InArray):
-        out["at"] = {"array": at.path, "stored": at.stored}
-        if at.chunks is not None:
-            out["at"]["chunks"] = list(at.chunks)
-        if at.layout is not None:
-            out["at"]["mesh"] = meshes[id(at.layout.mesh)]
-            out["at"]["spec"] = [list(axes) or None for axes in at.layout.spec]
-        if at.regions is not None:
-            out["at"]["regions"] = {
-                store: [[list(r) for r in region] for region in regions] for store, regions in at.regions.items()
-            }
-    else:
-        out["at"] = {"pack": at.pack, "offset": at.offset, "nbytes": at.nbytes, "crc32": at.crc32}
-    return out
-
-
-def _canonical(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-
-
-def encode_index(index: Index) -> bytes:
-    """The index file: compact canonical JSON with a crc32 of itself (without the checksum field)."""
-    deepest = _deepest(index.nodes)
-    if deepest is not None:
-        raise UnsupportedValueError(
-            f"Cannot save the values below {describe(deepest)[:80]}...: they are nested more than {MAX_DEPTH} levels "
-            f"deep, and jaxckpt restores trees of at most {MAX_DEPTH} levels. Flatten the structure."
-        )
-    meshes = {id(m): i for i, m in enumerate(index.meshes)}
-    body = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "metadata": index.metadata,
-        "nodes": {k: {"kind": n.kind, "class": n.cls, "keys": list(n.keys)} for k, n in index.nodes.items()},
-        "leaves": {k: _leaf_to_json(v, meshes) for k, v in index.leaves.items()},
-        "packs": [{"path": p.path, "nbytes": p.nbytes, "chunk": p.chunk} for p in index.packs],
-    }
-    if index.meshes:  # the device table once, then each mesh by device ids
-        table = dict(sorted({d: p for m in index.meshes for d, p in zip(m.devices, m.processes)}.items()))
-        body["devices"] = {"id": list(table), "process": list(table.values())}
-        body["meshes"] = [
-            {"axes": list(m.axes), "shape": list(m.shape), "devices": list(m.devices)} for m in index.meshes
-        ]
-    if index.aliases:
-        body["aliases"] = dict(index.aliases)
-    canonical = _canonical(body)
-    # "checksum" sorts first, so the file is the canonical body with the checksum field put in front.
-    return b'{"checksum":"crc32:%08x",' % zlib.crc32(canonical) + canonical[1:] + b"\n"
-
-
-# --- parsing -----------------------------------------------------------------------------------
-
-
-def _fail(where: str, msg: str) -> CheckpointFormatError:
-    return CheckpointFormatError(f"Invalid checkpoint index {where}: {msg}")
-
-
-def _get(obj: Any, name: str, types: type | tuple[type, ...], where: str) -> Any:
-    if not isinstance(obj, dict):
-        raise _fail(where, f"expected a JSON object, found {type(obj).__name__}")
-    if name not in obj:
-        raise _fail(where, f"missing field {name!r}")
-    value = obj[name]
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
-        raise _fail(where, f"field {name!r} has type {type(value).__name__}")
-    return value
-
-
-def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
-    return types if isinstance(types, tuple) else (types,)
-
-
-def _nonneg_int(obj: Any, name: str, where: str) -> int:
-    value = _get(obj, name, int, where)
-    if value < 0:
-        raise _fail(where, f"field {name!r} is negative")
-    return value
-
-
-def decode_index(data: bytes, where: str) -> Index:
-    """Parse and validate an index; ``where`` names the file in messages."""
-    try:
-        body = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, or an integer of over 4300 digits
-        raise CheckpointCorruptedError(f"The checkpoint index {where} is not valid JSON ({e}); it is damaged.") from e
-    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
-        raise CheckpointFormatError(f'{where} is not a jaxckpt index (no "format": "jaxckpt" field).')
-    version = body.get("version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise _fail(where, "field 'version' is not an integer")
-    if version > FORMAT_VERSION:
-        raise UnsupportedVersionError(
-            f"{where} has format version {version}; this jaxckpt reads versions up to {FORMAT_VERSION}. "
-            "Upgrade jaxckpt to read it."
-        )
-    if version < 1:
-        raise _fail(where, f"unknown format version {version}")
-    checksum = body.pop("checksum", None)
-    try:
-        expected = f"crc32:{zlib.crc32(_canonical(body)):08x}"
-    except (ValueError, RecursionError) as e:  # NaN, Infinity, 1e999, lone surrogates: never written by jaxckpt
-        raise CheckpointCorruptedError(
-            f"The checkpoint index {where} holds values that are not canonical JSON ({e})."
-        ) from e
-    if checksum != expected:
-        raise CheckpointCorruptedError(
-            f"The checkpoint index {where} fails its checksum (recorded {checksum!r}, computed {expected!r}); "
-            "the file was modified or damaged."
-        )
-    nodes = _parse_nodes(_get(body, "nodes", dict, where), where)
-    packs = [_parse_pack(p, version, f"{where} packs[{i}]") for i, p in enumerate(_get(body, "packs", list, where))]
-    meshes = _parse_meshes(body, where) if version >= 3 else []
-    leaves = {}
-    for key, raw in _get(body, "leaves", dict, where).items():
-        leaves[key] = _parse_leaf(raw, packs, meshes, version, f"{where} leaf {describe(key)}")
-    _check_graph(nodes, leaves, where)
-    metadata = body.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise _fail(where, "field 'metadata' is not an object")
-    return Index(nodes, leaves, packs, metadata, version, meshes, _parse_aliases(body.get("aliases"), nodes, where))
-
-
-def _parse_aliases(raw: Any, nodes: Mapping[str, NodeInfo], where: str) -> dict[str, str]:
-    """Optional (readers before it see empty checkpoint nodes): each alias is an empty checkpoint
-    node naming a checkpoint node that is not itself an alias."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
-        raise _fail(where, "field 'aliases' is not an object of strings")
-    for key, target in raw.items():
-        alias, stored = nodes.get(key), nodes.get(target)
-        if alias is None or alias.kind != CHECKPOINT_KIND or alias.keys:
-            raise _fail(where, f"alias {describe(key)} is not an empty checkpoint node")
-        if stored is None or stored.kind != CHECKPOINT_KIND or target in raw:
-            raise _fail(where, f"alias {describe(key)} names {describe(target)}, which is not a stored checkpoint node")
-    return dict(raw)
-
-
-def _int_list(obj: Any, name: str, where: str, lo: int, hi: int, limit: int) -> list[int]:
-    values = _get(obj, name, list, where)
-    if len(values) > limit or not all(type(v) is int and lo <= v <= hi for v in values):
-        raise _fail(where, f"field {name!r} is not a list of at most {limit} integers from {lo} to {hi}")
-    return values
-
-
-def _parse_meshes(body: dict[str, Any], where: str) -> list[MeshRecord]:
-    """The device table (device id -> process) and the meshes over it (version 3, multi-process saves)."""
-    if "meshes" not in body and "devices" not in body:
-        return []
-    table = _get(body, "devices", dict, where)
-    ids = _int_list(table, "id", f"{where} devices", 0, 2**62, MAX_DEVICES)
-    processes = _int_list(table, "process", f"{where} devices", 0, MAX_PROCESS, MAX_DEVICES)
-    process_of = dict(zip(ids, processes))
-    if len(ids) != len(processes) or len(process_of) != len(ids):
-        raise _fail(where, "its device table has duplicate ids, or not one process per device")
-    raw = _get(body, "meshes", list, where)
-    if len(raw) > MAX_MESHES:
-        raise _fail(where, f"it has over {MAX_MESHES} meshes")
-    out = []
-    for i, mesh in enumerate(raw):
-        w = f"{where} meshes[{i}]"
-        axes = _get(mesh, "axes", list, w)
-        if len(axes) > MAX_RANK or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
-            raise _fail(w, f"axes {axes!r} are not distinct names")
-        shape = _int_list(mesh, "shape", w, 1, MAX_DEVICES, MAX_RANK)
-        devices = _int_list(mesh, "devices", w, 0, 2**62, MAX_DEVICES)
-        if len(shape) != len(axes) or math.prod(shape) != len(devices) or len(set(devices)) != len(devices):
-            raise _fail(w, f"its {len(devices)} distinct devices do not fill shape {shape!r} of axes {axes!r}")
-        try:
-            owners = tuple(process_of[d] for d in devices)
-        except KeyError as e:
-            raise _fail(w, f"device {e.args[0]} is not in the device table") from None
-        out.append(MeshRecord(tuple(axes), tuple(shape), tuple(devices), owners))
-    return out
-
-
-def _parse_layout(at: dict[str, Any], shape: list[int], meshes: list[MeshRecord], where: str) -> Layout:
-    number = _get(at, "mesh", int, where)
-    if not 0 <= number < len(meshes):
-        raise _fail(where, f"mesh {number} is not one of the {len(meshes)} meshes of the checkpoint")
-    mesh = meshes[number]
-    raw = _get(at, "spec", list, where)
-    if len(raw) != len(shape):
-        raise _fail(where, f"spec {raw!r} does not have one entry per dimension of shape {tuple(shape)}")
-    spec, used = [], []
-    for axes, n in zip(raw, shape):
-        axes = [] if axes is None else axes
-        if not isinstance(axes, list) or not all(isinstance(a, str) and a in mesh.axes for a in axes):
-            raise _fail(where, f"spec {raw!r} names axes that mesh {number} {mesh.axes!r} lacks")
-        split = math.prod(mesh.shape[mesh.axes.index(a)] for a in axes)
-        if n % split:
-            raise _fail(where, f"spec {raw!r} splits a dimension of {n} into {split} uneven shards")
-        spec.append(tuple(axes))
-        used += axes
-    if len(set(used)) != len(used):
-        raise _fail(where, f"spec {raw!r} uses a mesh axis twice")
-    return Layout(mesh, tuple(spec))
-
-
-def _parse_nodes(raw: dict[str, Any], where: str) -> dict[str, NodeInfo]:
-    nodes = {}
-    for key, node in raw.items():
-        w = f"{where} node {describe(key)}"
-        kind = _get(node, "kind", str, w)
-        if kind not in NODE_KINDS:
-            raise _fail(w, f"unknown node kind {kind!r}")
-        keys = _get(node, "keys", list, w)
-        for k in keys:
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise _fail(w, f"child key {k!r} is neither a string nor an integer")
-        if len(set(map(repr, keys))) != len(keys):
-            raise _fail(w, "duplicate child keys")
-        nodes[key] = NodeInfo(kind, _get(node, "class", str, w), tuple(keys))
-    return nodes
-
-
-def _parse_pack(raw: Any, version: int, where: str) -> Pack:
-    path = _get(raw, "path", str, where)
-    if not _PACK_PATH.match(path):
-        raise _fail(where, f"pack path {path!r} is not of the form 'p/<n>'")
-    nbytes = _nonneg_int(raw, "nbytes", where)
-    if version < 2:
-        return Pack(path, nbytes)
-    chunk = _nonneg_int(raw, "chunk", where)
-    if not 1 <= chunk <= max(1, min(nbytes, MAX_CHUNK_BYTES)):
-        raise _fail(where, f"chunk of {chunk} bytes does not fit a pack of {nbytes} bytes")
-    return Pack(path, nbytes, chunk)
-
-
-def _parse_chunks(raw: Any, shape: list[int], itemsize: int, where: str) -> tuple[int, ...]:
-    """A chunk shape: one positive size per dimension, none larger than the array, within MAX_CHUNK_BYTES."""
-    ok = isinstance(raw, list) and len(raw) == len(shape)
-    ok = ok and all(type(c) is int and 1 <= c <= max(1, n) for c, n in zip(raw, shape))
-    if not ok or math.prod(raw) * itemsize > MAX_CHUNK_BYTES:
-        raise _fail(
-            where, f"chunk shape {raw!r} does not fit shape {tuple(shape)} (or exceeds {MAX_CHUNK_BYTES} bytes)"
-        )
-    return tuple(raw)
-
-
-def _depth(key: str) -> int:
-    return key.count("/") + 1 if key else 0  # a "/" inside an edge is escaped, so each one separates two
-
-
-def _deepest(nodes: Mapping[str, NodeInfo]) -> str | None:
-    """A node deeper than MAX_DEPTH (its children would be deeper still), or None."""
-    return next((k for k in nodes if _depth(k) >= MAX_DEPTH), None)
-
-
-@functools.lru_cache(maxsize=16)
-def _prng_key_shape(impl: str) -> tuple[int, ...] | None:
-    """The key data shape of a PRNG implementation registered with JAX under that name, or None.
-
-    Resolved by name in JAX's registry of implementations (nothing is imported) and only traced.
-    """
-    try:
-        return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
-    except (ValueError, TypeError):
-        return None
-
-
-def _parse_leaf(raw: Any, packs: list[Pack], meshes: list[MeshRecord], version: int, where: str) -> Leaf:
-    kind = _get(raw, "type", str, where)
-    if kind == "none":
-        return ValueLeaf("none", None)
-    if kind == "state":
-        return ValueLeaf("state", _get(raw, "value", (dict, list, str, int, float, bool, type(None)), where))
-    if kind in SCALAR_TYPES:
-        if kind == "float":
-            value = _get(raw, "value", (int, float, str), where)
-            if isinstance(value, str):
-                if value not in ("nan", "inf", "-inf"):
-                    raise _fail(where, f"float value {value!r}")
-                value = float(value)
-            try:
-                return ValueLeaf(kind, float(value))
-            except OverflowError:  # an integer beyond float's range
-                raise _fail(where, f"float value of {len(str(value))} digits is out of range") from None
-        return ValueLeaf(kind, _get(raw, "value", SCALAR_TYPES[kind], where))
-    if kind not in ("array", "prng_key"):
-        raise _fail(where, f"unknown leaf type {kind!r}")
-    name = _get(raw, "dtype", str, where)
-    if name not in DTYPES:
-        raise _fail(where, f"unsupported dtype {name!r}")
-    dtype = DTYPES[name]
-    shape = _get(raw, "shape", list, where)
-    if len(shape) > MAX_RANK or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise _fail(where, f"shape {shape!r} is not a list of non-negative integers")
-    container = _get(raw, "container", str, where)
-    if container not in (JAX, NUMPY, NUMPY_SCALAR):
-        raise _fail(where, f"unknown container {container!r}")
-    impl = _get(raw, "impl", str, where) if kind == "prng_key" else None
-    if impl is not None:  # restores wrap the data as keys of this implementation: check it fits
-        key_shape = _prng_key_shape(impl)
-        if key_shape is None:
-            raise _fail(where, f"unknown PRNG implementation {impl!r}")
-        if name != "uint32" or len(shape) < len(key_shape) or tuple(shape[len(shape) - len(key_shape) :]) != key_shape:
-            raise _fail(where, f"{impl} key data must be uint32 of shape (..., {', '.join(map(str, key_shape))})")
-    sharding = raw.get("sharding")
-    if sharding is not None and not isinstance(sharding, str):
-        raise _fail(where, "field 'sharding' is not a string")
-    at_raw = _get(raw, "at", dict, where)
-    nbytes = math.prod(shape) * dtype.itemsize
-    at: InArray | InPack
-    if "array" in at_raw:
-        path = _get(at_raw, "array", str, where)
-        if not _ARRAY_PATH.match(path):
-            raise _fail(where, f"array path {path!r} is not of the form 'a/<n>'")
-        stored = _get(at_raw, "stored", str, where)
-        if stored not in DTYPES or DTYPES[stored].itemsize != dtype.itemsize:
-            raise _fail(where, f"stored dtype {stored!r} does not fit dtype {name!r}")
-        chunks = None if version < 2 else _parse_chunks(at_raw.get("chunks"), shape, dtype.itemsize, where)
-        layout = None
-        if version >= 3 and ("mesh" in at_raw or "spec" in at_raw):
-            if "regions" in at_raw:
-                raise _fail(where, "it has both a sharding layout and explicit regions")
-            layout = _parse_layout(at_raw, shape, meshes, where)
-        at = InArray(path, stored, _parse_regions(at_raw.get("regions"), shape, where), chunks, layout)
-    else:
-        pack = _nonneg_int(at_raw, "pack", where)
-        offset = _nonneg_int(at_raw, "offset", where)
-        size = _nonneg_int(at_raw, "nbytes", where)
-        if pack >= len(packs) or offset + size > packs[pack].nbytes:
-            raise _fail(where, f"bytes {offset}..{offset + size} lie outside pack {pack}")
-        if size != nbytes:
-            raise _fail(where, f"{size} stored bytes cannot hold shape {tuple(shape)} of {name}")
-        at = InPack(pack, offset, size, _nonneg_int(at_raw, "crc32", where))
-    return ArrayLeaf(dtype, tuple(shape), container, at, impl, sharding)
-
-
-def _parse_regions(raw: Any, shape: list[int], where: str) -> dict[str, list[list[tuple[int, int]]]] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise _fail(where, "field 'regions' is not an object")
-    out: dict[str, list[list[tuple[int, int]]]] = {}
-    volume = 0
-    for store, regions in raw.items():
-        if not _STORE.match(store):
-            raise _fail(where, f"data store {store!r} is not of the form 'data' or 'data.p<n>'")
-        if not isinstance(regions, list):
-            raise _fail(where, f"regions of {store!r} are not a list")
-        parsed = []
-        for region in regions:
-            ok = isinstance(region, list) and len(region) == len(shape)
-            ok = ok and all(
-                isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] <= r[1] <= n
-                for r, n in zip(region, shape)
-            )
-            if not ok:
-                raise _fail(where, f"region {region!r} of {store!r} does not lie within shape {tuple(shape)}")
-            parsed.append([(a, b) for a, b in region])
-            volume += math.prod(b - a for a, b in region)
-        out[store] = parsed
-    if volume != math.prod(shape):
-        raise _fail(where, f"its regions cover {volume} elements of the {math.prod(shape)} in shape {tuple(shape)}")
-    return out
-
-
-def _check_graph(nodes: dict[str, NodeInfo], leaves: dict[str, Leaf], where: str) -> None:
-    """Every node and leaf is reachable from the root exactly once, and nothing is both."""
-    if "" not in nodes and "" not in leaves:
-        raise _fail(where, "it has no root")
-    both = nodes.keys() & leaves.keys()
-    if both:
-        raise _fail(where, f"{describe(min(both))} is both a node and a leaf")
-    seen_nodes, seen_leaves = 0, 0
-    stack = [""]
-    while stack:
-        key = stack.pop()
-        info = nodes.get(key)
-        if info is None:
-            if key not in leaves:
-                raise _fail(where, f"{describe(key)} is listed as a child but has no entry")
-            seen_leaves += 1
-            continue
-        seen_nodes += 1
-        if seen_nodes > len(nodes):
-            raise _fail(where, "the node graph has a cycle")
-        stack.extend(child_keys(key, info))
-    if seen_nodes != len(nodes) or seen_leaves != len(leaves):
-        raise _fail(where, "it has entries that are not reachable from the root")
-    deepest = _deepest(nodes)
-    if deepest is not None:
-        raise _fail(where, f"its nodes are nested more than {MAX_DEPTH} levels deep ({describe(deepest)[:100]}...)")

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _lock, _multihost, _save, _statefile, _storage
+from jaxckpt import _lock, _multihost, _save, _staging, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError, UnsupportedValueError
@@ -72,7 +72,7 @@ def _remove_tree(path: _storage.Location) -> None:
         # Renamed out of the way first, atomically: a crash midway through rmtree leaves a hidden
         # leftover that the next manager removes, never a half-deleted folder under the checkpoint's
         # name (which, with its index still there, would look complete and be adopted).
-        hidden = path.local.with_name(f".{path.local.name}{_storage.REPLACED_MARK}{secrets.token_hex(6)}")
+        hidden = path.local.with_name(f".{path.local.name}{_staging.REPLACED_MARK}{secrets.token_hex(6)}")
         os.rename(path.local, hidden)
         _delete_renamed(hidden)
     else:
@@ -329,7 +329,7 @@ class CheckpointManager:
         name's staging and replaced folders, and this name's numbered folders that nothing lists.
         """
         listed = {os.path.basename(c.path) for c in self._infos}
-        marks = f"{re.escape(_storage.PARTIAL_MARK)}|{re.escape(_storage.REPLACED_MARK)}"  # see _storage.staging_folder and publish
+        marks = f"{re.escape(_staging.PARTIAL_MARK)}|{re.escape(_staging.REPLACED_MARK)}"  # see _staging.staging_folder and publish
         staging = re.compile(rf"\.{re.escape(self._name)}-[0-9]+({marks})[0-9a-f]{{12}}")
         for name in _storage.children(self._path):
             if TEMP_FILE.fullmatch(name):
@@ -567,7 +567,7 @@ class CheckpointManager:
         path = getattr(self, "_pending_path", None)
         if token is None or path is None or not self._primary or self._path.local is None:
             return
-        _storage.discard_staging(_storage.location(path), token)
+        _staging.discard_staging(_storage.location(path), token)
 
     def _finish(self, prepared: _save.Prepared, info: CheckpointInfo) -> None:
         """Write the checkpoint, then list it, then delete what retention lets go (in this order)."""

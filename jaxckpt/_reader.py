@@ -23,7 +23,8 @@ from jaxckpt._errors import (
     NotACheckpointError,
     UnsupportedValueError,
 )
-from jaxckpt._format import DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InPack, Leaf, decode_index
+from jaxckpt._format import DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InPack, Leaf
+from jaxckpt._index_json import decode_index
 from jaxckpt._templates import NO_TEMPLATE, cast_for, check, restored_value, target_sharding
 from jaxckpt._tree import describe
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _format, _multihost, _storage, _tensorstore
+from jaxckpt import _format, _multihost, _staging, _storage, _tensorstore
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
     JAX,
@@ -29,8 +29,8 @@ from jaxckpt._format import (
     ValueLeaf,
     data_store,
     dtype_name,
-    encode_index,
 )
+from jaxckpt._index_json import encode_index
 from jaxckpt._tree import describe, flatten, is_state_object, not_utf8
 from jaxckpt._version import __version__
 
@@ -294,7 +294,7 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False,
     overrides :func:`host_memory_budget`.
     """
     dest = _storage.location(path)
-    _storage.check_writable(dest, overwrite)
+    _staging.check_writable(dest, overwrite)
     flat = flatten(root)
     for key, x in flat.leaves.items():
         if isinstance(x, jax.Array) and x.is_deleted():
@@ -307,9 +307,9 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False,
             x.copy_to_host_async()
     me = _multihost.process_index()
     if me == 0:
-        _storage.clear_for_save(dest)  # object stores: before the token lets the others write
+        _staging.clear_for_save(dest)  # object stores: before the token lets the others write
     token = _multihost.shared_token()
-    staging = _storage.staging_folder(dest, token)
+    staging = _staging.staging_folder(dest, token)
     try:
         writer = _tensorstore.Writer((staging / data_store(me)).spec())
         packer = _Packer()
@@ -375,7 +375,7 @@ def prepare(path: str | os.PathLike[str], root: Any, *, overwrite: bool = False,
         )
     except BaseException:
         if me == 0:  # the others may be writing into it; a manager removes what is left
-            _storage.discard(staging)
+            _staging.discard(staging)
         raise
     return Prepared(os.fspath(path), dest, staging, token, overwrite, index, writer, packer)
 
@@ -389,11 +389,11 @@ def finish(p: Prepared) -> str:
         p.writer.flush()
         _multihost.barrier(f"{p.token}/written")  # every process's bytes are durable
         if primary:
-            _storage.publish(p.staging, p.dest, encode_index(p.index), p.overwrite)
+            _staging.publish(p.staging, p.dest, encode_index(p.index), p.overwrite)
         _multihost.barrier(f"{p.token}/published")
     except BaseException:
         if primary:  # the others may still be writing into it; a manager removes what is left
-            _storage.discard(p.staging)
+            _staging.discard(p.staging)
         raise
     return p.path
 

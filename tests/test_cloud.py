@@ -14,7 +14,7 @@ import pytest
 import tensorstore as ts
 
 import jaxckpt
-from jaxckpt import _cli, _storage
+from jaxckpt import _cli, _staging, _storage
 
 BUCKET = "jaxckpt-tests"
 
@@ -133,15 +133,15 @@ def test_leftover_data_without_index_is_replaced_by_the_next_save(s3, monkeypatc
             raise KeyboardInterrupt  # the process dies before the commit: nothing cleans up
         real_write(base, key, value)
 
-    real_discard = _storage.discard
+    real_discard = _staging.discard
     monkeypatch.setattr(_tensorstore, "kv_write", crash_before_index)
-    monkeypatch.setattr(_storage, "discard", lambda staging: None)
+    monkeypatch.setattr(_staging, "discard", lambda staging: None)
     with pytest.raises(KeyboardInterrupt):
         jaxckpt.save(f"{s3}/c", {"x": np.arange(3)})
     monkeypatch.setattr(_tensorstore, "kv_write", real_write)  # not undo(): that would drop the S3 settings too
-    monkeypatch.setattr(_storage, "discard", real_discard)
+    monkeypatch.setattr(_staging, "discard", real_discard)
     path = f"{s3}/c"
-    assert _storage.children(_storage.location(path)) == [_storage.SAVE_MARKER, "data"]
+    assert _storage.children(_storage.location(path)) == [_staging.SAVE_MARKER, "data"]
     with pytest.raises(jaxckpt.NotACheckpointError, match=r"no index\.json"):
         jaxckpt.restore(path)
     jaxckpt.save(path, {"y": 2})

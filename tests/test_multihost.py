@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _format
+from jaxckpt import _format, _index_json
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
@@ -72,7 +72,7 @@ def test_two_processes_write_one_checkpoint_each_its_own_shards(saved_by_two):
     assert b'"regions"' not in raw
     rows = index["leaves"]["state/rows"]["at"]
     assert (rows["mesh"], rows["spec"]) == (0, [["x"], None])
-    parsed = _format.decode_index(raw, "index.json").leaves
+    parsed = _index_json.decode_index(raw, "index.json").leaves
     # each process its half
     assert _format.regions(parsed["state/rows"].at, (512, 640)) == {
         "data": [[(0, 256), (0, 640)]],

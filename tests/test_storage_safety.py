@@ -13,7 +13,7 @@ import pytest
 import tensorstore as ts
 
 import jaxckpt
-from jaxckpt import _storage
+from jaxckpt import _staging, _storage
 
 TREE = {"x": np.arange(6, dtype=np.float32), "big": np.ones((64, 64), np.float32)}
 
@@ -157,8 +157,8 @@ def test_restore_of_none_says_there_is_no_checkpoint():
 # --- item 17: staging folders of interrupted saves -----------------------------------------------
 
 
-def _staging(tmp_path):
-    return sorted(p.name for p in tmp_path.iterdir() if _storage.PARTIAL_MARK in p.name)
+def _staging_folders(tmp_path):
+    return sorted(p.name for p in tmp_path.iterdir() if _staging.PARTIAL_MARK in p.name)
 
 
 def test_keyboard_interrupt_during_a_blocking_save_removes_its_staging(tmp_path, monkeypatch):
@@ -178,14 +178,14 @@ def test_keyboard_interrupt_during_a_blocking_save_removes_its_staging(tmp_path,
 
 def test_next_save_removes_a_dead_saves_staging_but_not_a_live_ones(tmp_path):
     dest = _storage.location(tmp_path / "c")
-    dead = _storage.staging_folder(dest, "0123456789ab")
+    dead = _staging.staging_folder(dest, "0123456789ab")
     (dead.local / "data").mkdir()
-    _storage._release(dead.local)  # as if its process had died: the kernel drops the lock
-    live = _storage.staging_folder(dest, "ba9876543210")  # this one stays owned, as by a running save
-    other = _storage.staging_folder(_storage.location(tmp_path / "c-2"), "0123456789ab")
-    _storage._release(other.local)  # stale, but another destination's: not this save's to remove
+    _staging._release(dead.local)  # as if its process had died: the kernel drops the lock
+    live = _staging.staging_folder(dest, "ba9876543210")  # this one stays owned, as by a running save
+    other = _staging.staging_folder(_storage.location(tmp_path / "c-2"), "0123456789ab")
+    _staging._release(other.local)  # stale, but another destination's: not this save's to remove
     jaxckpt.save(tmp_path / "c", TREE)
-    assert _staging(tmp_path) == sorted([live.local.name, other.local.name])
+    assert _staging_folders(tmp_path) == sorted([live.local.name, other.local.name])
     # The live one is still locked by its owner: another process cannot take the lock.
     fd = os.open(live.local / ".jaxckpt-owner", os.O_RDONLY)
     try:
@@ -193,19 +193,19 @@ def test_next_save_removes_a_dead_saves_staging_but_not_a_live_ones(tmp_path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         os.close(fd)
-    _storage.discard(live)
+    _staging.discard(live)
 
 
 def test_a_killed_save_leaves_staging_that_the_next_save_removes(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal
-        from jaxckpt import _storage
-        _storage.staging_folder(_storage.location({str(tmp_path / "c")!r}), "0123456789ab")
+        from jaxckpt import _staging, _storage
+        _staging.staging_folder(_storage.location({str(tmp_path / "c")!r}), "0123456789ab")
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-c", code], timeout=120, env=env)
-    assert _staging(tmp_path) == [".c.partial-0123456789ab"]
+    assert _staging_folders(tmp_path) == [".c.partial-0123456789ab"]
     jaxckpt.save(tmp_path / "c", TREE)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 

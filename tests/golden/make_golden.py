@@ -53,7 +53,7 @@ def pod_tree():
 
 
 def write_pod_golden(out):
-    from jaxckpt import _format, _storage, _tensorstore
+    from jaxckpt import _format, _index_json, _storage, _tensorstore
     from jaxckpt._format import ArrayLeaf, InArray, Index, Layout, MeshRecord
     from jaxckpt._tree import flatten
 
@@ -71,7 +71,7 @@ def write_pod_golden(out):
             )
         else:
             layout = Layout(mesh, spec)
-            chunks = tuple(_format._shards(layout, shape))
+            chunks = tuple(_format.shard_shape(layout, shape))
             at = InArray(f"a/{i}", _format.dtype_name(np.dtype(dtype)), None, chunks, layout)
         leaves[name] = ArrayLeaf(np.dtype(dtype), shape, "numpy", at)
     index = Index(flat.nodes, leaves, [], {"writer": "tests/golden/make_golden.py pod"}, meshes=[mesh])
@@ -88,7 +88,7 @@ def write_pod_golden(out):
             ]
             writer.add_array(leaf.at.path, leaf.shape, leaf.dtype, leaf.at.chunks, parts)
         writer.flush()
-    (out / _format.INDEX_FILE).write_bytes(_format.encode_index(index))
+    (out / _format.INDEX_FILE).write_bytes(_index_json.encode_index(index))
 
 
 if __name__ == "__main__":
