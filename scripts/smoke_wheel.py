@@ -29,7 +29,7 @@ def check_wheel(wheel: Path, source: Path) -> str:
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = email.parser.Parser().parsestr(z.read(metadata_name).decode())
     dist_info = metadata_name.rsplit("/", 1)[0]
-    modules = {f"jaxckpt/{p.name}" for p in source.glob("*.py")}
+    modules = {f"jaxckpt/{p.relative_to(source).as_posix()}" for p in source.rglob("*.py")}
     missing = sorted(modules - names)
     check(not missing, f"the wheel lacks {missing}")
     check("jaxckpt/py.typed" in names, "the wheel lacks jaxckpt/py.typed")
@@ -130,6 +130,19 @@ def check_golden(golden: Path):
     print(f"golden: {', '.join(v.name for v in versions)} read back as written")
 
 
+def check_foreign(foreign: Path):
+    """Other libraries' checkpoints read from the installed wheel (its jaxckpt._formats package)."""
+    import jaxckpt
+
+    check(jaxckpt.load_variable(foreign / "tf/tf2/tf_ckpts", "step") == 50, "the TF2 guide checkpoint's step")
+    check(jaxckpt.latest_checkpoint(foreign / "orbax/run").endswith("30"), "the Orbax run's latest step")
+    run_cli("ls", str(foreign / "safetensors/model.safetensors"))
+    run_cli("convert", str(foreign / "tf/tf1/model.ckpt-42"), "from_tf1")
+    run_cli("convert", "from_tf1", "from_tf1.safetensors")
+    run_cli("verify", "from_tf1.safetensors")
+    print("foreign: TensorFlow, Orbax and safetensors read; converted to jaxckpt and to safetensors")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--wheel", type=Path, required=True)
@@ -149,6 +162,7 @@ def main():
     for folder in sorted(args.golden.glob("v*")):
         run_cli("verify", str(folder))
     check_golden(args.golden)
+    check_foreign(args.golden / "foreign")
     check_no_extra_needed(args.golden)
     print("smoke: all checks passed")
 
