@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from jaxckpt import _statefile, _storage
+from jaxckpt._describe import json_value, leaf_json, leaf_shape, leaf_type
 from jaxckpt._diff import diff
 from jaxckpt._errors import (
     JaxckptError,
@@ -45,14 +46,7 @@ from jaxckpt._errors import (
     StorageError,
 )
 from jaxckpt._format import ArrayLeaf, InForeign, InPack, Leaf, ValueLeaf
-from jaxckpt._inspect import (
-    CheckpointView,
-    ManagerView,
-    json_value,
-    leaf_json,
-    leaf_shape,
-    leaf_type,
-)
+from jaxckpt._inspect import CheckpointView, ManagerView
 from jaxckpt._progress import Progress, human_bytes
 from jaxckpt._reader import Opened, open_latest
 from jaxckpt._scan import Stats, number_text, pieces

@@ -8,213 +8,49 @@ collapsible HTML tree in Jupyter and Colab::
     jaxckpt.inspect("ckpts")                                 # a manager's directory: its checkpoints
     jaxckpt.inspect("ckpts/ckpt-10", "optimizer/**/mu/**")   # only the keys that match
 
-Patterns: ``*`` matches within one edge, ``**`` any number of edges (none included), ``?`` one
-character of an edge; a pattern selects the keys it matches and everything below them, so a plain
-key (``optimizer``) selects its subtree.
+Patterns (:mod:`jaxckpt._describe`): ``*`` matches within one edge, ``**`` any number of edges, ``?``
+one character of an edge; a pattern selects the keys it matches and everything below them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import html
-import json
-import math
 import os
-import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from jaxckpt import _statefile, _storage
+from jaxckpt._describe import (
+    KeyTree,
+    build_tree,
+    json_value,
+    key_matcher,
+    leaf_json,
+    leaf_nbytes,
+    leaf_shape,
+    leaf_type,
+    node_type,
+    plural,
+    printable,
+    pruned,
+    selected,
+    short_value,
+)
 from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._progress import human_bytes
 from jaxckpt._reader import Opened, open_latest
 from jaxckpt._statefile import is_manager_directory
 from jaxckpt._templates import NO_TEMPLATE
-from jaxckpt._tree import CHECKPOINT, NodeInfo, build, child_keys, edges_for, join
+from jaxckpt._tree import build
 
 PathLike = str | os.PathLike[str]
 
 # A node whose subtree holds at most this many values starts unfolded in the HTML view.
 _OPEN_LIMIT = 16
-# Python values longer than this are cut in the tree; `jaxckpt show` prints them whole.
-_VALUE_WIDTH = 40
 # The key column of the text tree never grows wider than this; longer names push their row right.
 _NAME_WIDTH = 64
-
-
-# --- patterns ----------------------------------------------------------------------------------
-
-
-def _pattern_regex(pattern: str) -> re.Pattern[str]:
-    """``a/**/b`` -> a regex where ``**`` spans edges (none included) and ``*``, ``?`` stay in one."""
-    out = []
-    i = 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")  # zero or more whole edges
-            i += 3
-        elif pattern.startswith("/**", i) and i + 3 == len(pattern):
-            out.append("(?:/.*)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out), re.DOTALL)
-
-
-def key_matcher(patterns: Iterable[str]) -> Callable[[str], bool] | None:
-    """A test of whether a key matches any of ``patterns`` (leading and trailing ``/`` ignored).
-
-    None when there are no patterns: everything matches.
-    """
-    regexes = [_pattern_regex(p.strip("/")) for p in patterns]
-    if not regexes:
-        return None
-    return lambda key: any(r.fullmatch(key) for r in regexes)
-
-
-# --- one checkpoint ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Tree:
-    """A node or leaf as displayed: chains of single-child nodes are merged into one row."""
-
-    key: str
-    label: str  # the edge(s) this row stands for
-    info: NodeInfo | None  # for nodes
-    leaf: Leaf | None  # for leaves
-    children: list[_Tree]
-    count: int  # values at or below
-    nbytes: int  # array bytes at or below
-
-
-def _leaf_nbytes(leaf: Leaf) -> int:
-    return leaf.nbytes if isinstance(leaf, ArrayLeaf) else 0
-
-
-def _build_tree(index: Index, match: Callable[[str], bool] | None) -> _Tree | None:
-    def walk(key: str, label: str, chosen: bool) -> _Tree | None:
-        chosen = chosen or match is None or match(key)
-        info = index.nodes.get(key)
-        if info is None:
-            leaf = index.leaves[key]
-            return _Tree(key, label, None, leaf, [], 1, _leaf_nbytes(leaf)) if chosen else None
-        kids = [walk(join(key, e), e, chosen) for e in edges_for(info.keys)]
-        kids = [k for k in kids if k is not None]
-        if not kids and not chosen:
-            return None
-        if key and len(kids) == 1 and kids[0].info is not None:  # "opt_state" + "0" -> "opt_state/0"
-            only = kids[0]
-            return dataclasses.replace(only, label=f"{label}/{only.label}")
-        return _Tree(key, label, info, None, kids, sum(k.count for k in kids), sum(k.nbytes for k in kids))
-
-    return walk("", "", False)
-
-
-def selected(key: str, match: Callable[[str], bool]) -> bool:
-    """A key is selected if it, one of its ancestors, or the root matches."""
-    parts = key.split("/") if key else []
-    return any(match("/".join(parts[:i])) for i in range(len(parts) + 1))
-
-
-def _printable(text: str) -> str:
-    """Control characters in a key would break the tree's lines; show them escaped."""
-    return text if text.isprintable() else repr(text)[1:-1]
-
-
-def _short_value(leaf: ValueLeaf, width: int = _VALUE_WIDTH) -> str:
-    text = "None" if leaf.type == "none" else json.dumps(json_value(leaf.value), ensure_ascii=False)
-    text = _printable(text)
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def leaf_type(leaf: Leaf) -> str:
-    """What a leaf is, in a word: its dtype, ``key<impl>`` for PRNG keys, or the Python type."""
-    if isinstance(leaf, ValueLeaf):
-        return leaf.type
-    if leaf.prng_impl:
-        return f"key<{leaf.prng_impl}>"
-    return leaf.dtype.name
-
-
-def leaf_shape(leaf: ArrayLeaf) -> tuple[int, ...]:
-    """The shape a user sees: for PRNG keys the key array's shape, without the key data's last axis."""
-    return leaf.shape[:-1] if leaf.prng_impl else leaf.shape
-
-
-def json_value(value: Any) -> Any:
-    """A Python value as strict JSON can hold it (non-finite floats as "nan", "inf", "-inf")."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if isinstance(value, dict):
-        return {k: json_value(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [json_value(v) for v in value]
-    return value
-
-
-def leaf_json(key: str, leaf: Leaf) -> dict[str, Any]:
-    """One value as ``jaxckpt ls --json`` lists it."""
-    if isinstance(leaf, ValueLeaf):
-        return {"key": key, "type": leaf.type, "value": json_value(leaf.value)}
-    out: dict[str, Any] = {
-        "key": key,
-        "type": "prng_key" if leaf.prng_impl else "array",
-        "dtype": leaf.dtype.name,
-        "shape": list(leaf_shape(leaf)),
-        "nbytes": leaf.nbytes,
-        "container": leaf.container,
-        "sharding": leaf.sharding,
-    }
-    if leaf.prng_impl:
-        out["impl"] = leaf.prng_impl
-    return out
-
-
-def _node_type(info: NodeInfo) -> str:
-    if info.kind == CHECKPOINT:
-        return "Checkpoint"
-    return info.cls.rsplit(".", 1)[-1]
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _pruned(nodes: Mapping[str, NodeInfo], values: Mapping[str, Any]) -> Any:
-    """Like :func:`build`, for some of the leaves: a container keeps only the children with selected
-    values below them, and one that lost children comes back as a dict of the kept ones by their
-    original keys (so a list's indexes stay meaningful)."""
-    wanted = set(values)
-    for key in values:  # and every ancestor (a "/" inside an edge is escaped)
-        parts = key.split("/")
-        wanted.update("/".join(parts[:i]) for i in range(len(parts)))
-
-    @functools.cache
-    def complete(key: str) -> bool:  # every value below ``key`` is selected
-        info = nodes.get(key)
-        return key in values if info is None else all(complete(ck) for ck in child_keys(key, info))
-
-    def visit(key: str) -> Any:
-        if complete(key):
-            return build(nodes, values, key)
-        info = nodes[key]
-        return {k: visit(ck) for k, ck in zip(info.keys, child_keys(key, info)) if ck in wanted}
-
-    return visit("") if values else {}
 
 
 class CheckpointView:
@@ -235,7 +71,7 @@ class CheckpointView:
             self.path = str(self._opened.path)
         self.index: Index = self._opened.index
         match = key_matcher(self.patterns)
-        self._tree = _build_tree(self.index, match)
+        self._tree = build_tree(self.index, match)
         self._keys = [k for k in self.index.keys_under("") if match is None or selected(k, match)]
 
     def keys(self) -> list[str]:
@@ -250,7 +86,7 @@ class CheckpointView:
     @property
     def nbytes(self) -> int:
         """Bytes of the selected arrays (as in memory, uncompressed)."""
-        return sum(_leaf_nbytes(leaf) for leaf in self.leaves.values())
+        return sum(leaf_nbytes(leaf) for leaf in self.leaves.values())
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -278,7 +114,7 @@ class CheckpointView:
         values = {k: abstract(self.index.leaves[k]) for k in self._keys}
         if len(self._keys) == len(self.index.leaves):
             return build(self.index.nodes, values)
-        return _pruned(self.index.nodes, values)
+        return pruned(self.index.nodes, values)
 
     # --- display -------------------------------------------------------------------------------
 
@@ -287,9 +123,9 @@ class CheckpointView:
         leaves = self.leaves
         arrays = sum(isinstance(v, ArrayLeaf) for v in leaves.values())
         others = len(leaves) - arrays
-        text = f"{_plural(len(leaves), 'value')}: {_plural(arrays, 'array')} ({human_bytes(self.nbytes)})"
+        text = f"{plural(len(leaves), 'value')}: {plural(arrays, 'array')} ({human_bytes(self.nbytes)})"
         if others:
-            text += f", {_plural(others, 'Python value')}"
+            text += f", {plural(others, 'Python value')}"
         if self.patterns:
             text += f" matching {' or '.join(map(repr, self.patterns))}, of {len(self.index.leaves)} in all"
         return text
@@ -314,14 +150,14 @@ class CheckpointView:
         """(tree name, type, shape or value, size) for every displayed row."""
         rows: list[tuple[str, str, str, str]] = []
 
-        def visit(t: _Tree, prefix: str, last: bool, top: bool) -> None:
+        def visit(t: KeyTree, prefix: str, last: bool, top: bool) -> None:
             branch = "" if top else ("└── " if last else "├── ")
-            name = prefix + branch + (_printable(t.label) if t.label or not top else "(root)")
+            name = prefix + branch + (printable(t.label) if t.label or not top else "(root)")
             if t.leaf is None:
                 if not top:
-                    rows.append((name, _node_type(t.info), _plural(t.count, "value"), human_bytes(t.nbytes)))
+                    rows.append((name, node_type(t.info), plural(t.count, "value"), human_bytes(t.nbytes)))
             elif isinstance(t.leaf, ValueLeaf):
-                rows.append((name, leaf_type(t.leaf), _short_value(t.leaf), ""))
+                rows.append((name, leaf_type(t.leaf), short_value(t.leaf), ""))
             else:
                 rows.append((name, leaf_type(t.leaf), str(leaf_shape(t.leaf)), human_bytes(t.nbytes)))
             inner = "" if top else prefix + ("    " if last else "│   ")
@@ -375,10 +211,10 @@ class CheckpointView:
     def _repr_html_(self) -> str:
         total = len(self.index.leaves)
 
-        def leaf_html(t: _Tree) -> str:
+        def leaf_html(t: KeyTree) -> str:
             leaf = t.leaf
             if isinstance(leaf, ValueLeaf):
-                detail = f"{leaf_type(leaf)} = {_short_value(leaf, 80)}"
+                detail = f"{leaf_type(leaf)} = {short_value(leaf, 80)}"
             else:
                 detail = f"{leaf_type(leaf)} {leaf_shape(leaf)} · {human_bytes(t.nbytes)}"
             title = f' title="sharding: {html.escape(leaf.sharding)}"' if getattr(leaf, "sharding", None) else ""
@@ -387,14 +223,14 @@ class CheckpointView:
                 f'<span class="jx-dim">{html.escape(detail)}</span></div>'
             )
 
-        def node_html(t: _Tree, depth: int) -> str:
+        def node_html(t: KeyTree, depth: int) -> str:
             if t.leaf is not None:
                 return leaf_html(t)
             inner = "".join(node_html(c, depth + 1) for c in t.children)
             if depth == 0:
                 return inner
             is_open = t.count <= _OPEN_LIMIT or (depth == 1 and total <= 4 * _OPEN_LIMIT)
-            detail = f"{_node_type(t.info)} · {_plural(t.count, 'value')} · {human_bytes(t.nbytes)}"
+            detail = f"{node_type(t.info)} · {plural(t.count, 'value')} · {human_bytes(t.nbytes)}"
             return (
                 f"<details{' open' if is_open else ''}><summary><span class='jx-key'>{html.escape(t.label)}</span> "
                 f"<span class='jx-dim'>{html.escape(detail)}</span></summary>{inner}</details>"
@@ -457,7 +293,7 @@ class ManagerView:
 
     def summary(self) -> str:
         latest = os.path.basename(self.checkpoints[-1].path) if self.checkpoints else None
-        return f"{_plural(len(self.checkpoints), 'checkpoint')}" + (f", latest {latest}" if latest else "")
+        return f"{plural(len(self.checkpoints), 'checkpoint')}" + (f", latest {latest}" if latest else "")
 
     def _rows(self) -> list[tuple[str, str, str, str, str]]:
         rows = []

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt._describe import json_value
 from jaxckpt._format import ArrayLeaf, InPack
-from jaxckpt._inspect import json_value
 from jaxckpt._reader import Opened
 from jaxckpt._templates import NO_TEMPLATE
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._inspect import key_matcher
+from jaxckpt._describe import key_matcher
 from jaxckpt._progress import Progress, human_bytes
 
 
