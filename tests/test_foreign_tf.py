@@ -15,7 +15,7 @@ import pytest
 
 from jaxckpt import CheckpointCorruptedError, CheckpointFormatError
 from jaxckpt._errors import UnsupportedVersionError
-from jaxckpt._formats import ForeignCheckpoint
+from jaxckpt._formats import ForeignCheckpoint, tf_index
 from jaxckpt._formats import tensorflow as tf_format
 from jaxckpt._tree import escape_edge
 
@@ -134,13 +134,13 @@ def test_sharded_checkpoint_has_two_data_files() -> None:
 
 def test_slice_keys_match_tensorflow_ordered_code() -> None:
     # Numbers TensorFlow's OrderedCode tests spell out: -1 is 0x7f, 64 needs two bytes.
-    assert tf_format._signed_num_increasing(0) == b"\x80"
-    assert tf_format._signed_num_increasing(-1) == b"\x7f"
-    assert tf_format._signed_num_increasing(63) == b"\xbf"
-    assert tf_format._signed_num_increasing(64) == b"\xc0\x40"
-    assert tf_format._signed_num_increasing(-65) == b"\x3f\xbf"
-    assert tf_format._num_increasing(0) == b"\x00" and tf_format._num_increasing(258) == b"\x02\x01\x02"
-    key = tf_format.encode_tensor_name_slice("a", ((0, 4), (0, -1)))
+    assert tf_index._signed_num_increasing(0) == b"\x80"
+    assert tf_index._signed_num_increasing(-1) == b"\x7f"
+    assert tf_index._signed_num_increasing(63) == b"\xbf"
+    assert tf_index._signed_num_increasing(64) == b"\xc0\x40"
+    assert tf_index._signed_num_increasing(-65) == b"\x3f\xbf"
+    assert tf_index._num_increasing(0) == b"\x00" and tf_index._num_increasing(258) == b"\x02\x01\x02"
+    key = tf_index.encode_tensor_name_slice("a", ((0, 4), (0, -1)))
     assert key == b"\x00" + b"a\x00\x01" + b"\x01\x02" + b"\x80\x84" + b"\x80\x7f"
 
 
@@ -286,7 +286,7 @@ def entry_proto(
 def block(entries: list[tuple[bytes, bytes]], kind: int = 0) -> bytes:
     body = b"".join(varint(0) + varint(len(k)) + varint(len(v)) + k + v for k, v in entries)
     body += (0).to_bytes(4, "little") + (1).to_bytes(4, "little")  # one restart point, at 0
-    crc = tf_format.mask_crc(google_crc32c.value(body + bytes([kind])))
+    crc = tf_index.mask_crc(google_crc32c.value(body + bytes([kind])))
     return body + bytes([kind]) + crc.to_bytes(4, "little")
 
 
@@ -308,7 +308,7 @@ def header(num_shards: int = 1, endianness: int = 0) -> tuple[bytes, bytes]:
 
 def test_the_crafted_writer_round_trips(tmp_path: Path) -> None:
     value = np.arange(6, dtype=np.float32).reshape(2, 3)
-    crc = tf_format.mask_crc(google_crc32c.value(value.tobytes()))
+    crc = tf_index.mask_crc(google_crc32c.value(value.tobytes()))
     write_index(tmp_path / "c.index", [header(), (b"v", entry_proto(1, (2, 3), 24, crc))])
     (tmp_path / "c.data-00000-of-00001").write_bytes(value.tobytes())
     checkpoint = ForeignCheckpoint(tf_format.open(str(tmp_path / "c")))
@@ -366,8 +366,8 @@ def partitioned(tmp_path: Path, pieces: list[tuple[tuple[int, int], ...]], liste
     data, entries = b"", [header()]
     for start, length in pieces:
         piece = full[start : start + length].tobytes()
-        crc = tf_format.mask_crc(google_crc32c.value(piece))
-        key = tf_format.encode_tensor_name_slice("p", ((start, length), (0, -1)))
+        crc = tf_index.mask_crc(google_crc32c.value(piece))
+        key = tf_index.encode_tensor_name_slice("p", ((start, length), (0, -1)))
         entries.append((key, entry_proto(1, (length, 3), len(piece), crc, offset=len(data))))
         data += piece
     slices = [((s, n), (0, -1)) for s, n in (pieces if listed is None else listed)]
@@ -435,7 +435,7 @@ def test_a_partition_claiming_a_terabyte_is_refused_without_allocating(tmp_path:
     half = rows // 2
     entries = [header()]
     for start in (0, half):
-        key = tf_format.encode_tensor_name_slice("p", ((start, half), (0, -1)))
+        key = tf_index.encode_tensor_name_slice("p", ((start, half), (0, -1)))
         entries.append((key, entry_proto(1, (half, 3), half * 12)))
     slices = (((0, half), (0, -1)), ((half, half), (0, -1)))
     entries.append((b"p", entry_proto(1, (rows, 3), 0, slices=slices)))

@@ -1,15 +1,9 @@
 """Reading TensorFlow checkpoints (``tf.train.Checkpoint`` and TF1 ``Saver``), without TensorFlow.
 
 A checkpoint is a prefix: ``prefix.index``, a table of every value's metadata, and the data shards
-``prefix.data-00000-of-0000N`` that hold the bytes. The index is TensorFlow's table format (LevelDB's
-SSTable): data blocks of prefix-compressed keys, an index block pointing at them and a 48-byte
-footer; every block is followed by its compression type and a masked CRC-32C, which are checked.
-Its key ``""`` holds a ``BundleHeaderProto``; every other key a ``BundleEntryProto``.
-
-The protobuf messages are decoded here by a small wire-format reader (varints, length-delimited
-fields, fixed32/64, unknown fields skipped) rather than by generated ``_pb2`` modules: that would
-need protoc and a protobuf runtime for a few dozen lines of decoding, and writing it out lets every
-length be checked against the bytes that hold it, which matters for untrusted files.
+``prefix.data-00000-of-0000N`` that hold the bytes. The index's bytes (its table format, protobuf
+messages and slice keys) are decoded by :mod:`.tf_index`; this module reads the files, checks what
+the index claims against them, and presents the values as jaxckpt keys.
 
 Keys: TensorFlow names split on ``/``. For ``tf.train.Checkpoint`` names the trailing
 ``/.ATTRIBUTES/VARIABLE_VALUE`` is dropped (``net/l1/kernel``), other attributes lose the
@@ -30,7 +24,6 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterator
 
 import google_crc32c
 import ml_dtypes
@@ -39,6 +32,21 @@ import numpy as np
 from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, StorageError, UnsupportedVersionError
 from jaxckpt._format import NUMPY, ArrayLeaf, InForeign
 from jaxckpt._formats import Entry
+from jaxckpt._formats.tf_index import (
+    BundleEntry,
+    BundleHeader,
+    Malformed,
+    as_bytes,
+    as_int,
+    as_text,
+    crc32c,
+    encode_tensor_name_slice,
+    fields,
+    mask_crc,
+    slice_key_name,
+    table,
+    varint,
+)
 
 NAME = "TensorFlow"
 
@@ -47,12 +55,8 @@ _ATTRIBUTES = ".ATTRIBUTES"
 _VARIABLE_VALUE = "VARIABLE_VALUE"
 _OPTIMIZER_SLOT = ".OPTIMIZER_SLOT"
 
-_TABLE_MAGIC = 0xDB4775248B80FB57
-_FOOTER_SIZE = 48  # two BlockHandles padded to 40 bytes, then the 8-byte magic
-_BLOCK_TRAILER = 5  # compression type byte + masked CRC-32C
 _MAX_INDEX_BYTES = 1 << 30  # an index is metadata: a gigabyte of it is no checkpoint we can hold
 _MAX_ENTRIES = 10_000_000
-_MAX_RANK = 64
 _MAX_SHARDS = 1 << 20
 _MAX_VALUE_BYTES = 1 << 62  # beyond any file, and keeps offset + size inside int64
 _MAX_STATE_FILE = 1 << 20  # the manager's text `checkpoint` file
@@ -88,284 +92,6 @@ _DTYPE_NAMES = {
     20: "DT_RESOURCE",
     21: "DT_VARIANT",
 }
-
-
-def mask_crc(crc: int) -> int:
-    """TensorFlow's (LevelDB's) masked CRC: stored CRCs are rotated and offset, so that a CRC of
-    bytes that contain CRCs stays well distributed."""
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-_CRC_CHUNK = 64 << 20
-
-
-def _crc32c(view: memoryview) -> int:
-    """The CRC-32C of a large buffer: google_crc32c takes only bytes, so a bounded chunk at a
-    time is copied rather than the whole value."""
-    crc = 0
-    for start in range(0, len(view), _CRC_CHUNK):
-        crc = google_crc32c.extend(crc, bytes(view[start : start + _CRC_CHUNK]))
-    return crc
-
-
-# --- protobuf wire format ---------------------------------------------------------------------
-
-
-class _Malformed(Exception):
-    """Bytes that do not parse; the caller turns it into a CheckpointFormatError naming the file."""
-
-
-def _varint(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
-    """The unsigned varint at ``pos`` (at most 10 bytes, never past ``end``) and the position after it."""
-    result = shift = 0
-    for _ in range(10):
-        if pos >= end:
-            raise _Malformed("a varint runs past the end of its bytes")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            if result >= 1 << 64:
-                raise _Malformed("a varint is longer than 64 bits")
-            return result, pos
-        shift += 7
-    raise _Malformed("a varint is longer than 10 bytes")
-
-
-def _signed(value: int) -> int:
-    """A protobuf int32/int64 varint as the signed number it encodes (two's complement, 64 bits)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
-    """(field number, wire type, value) for each field of a message: ints for varint and fixed
-    fields, bytes for length-delimited ones. Groups (wire types 3, 4) are not used by these messages."""
-    pos, end = 0, len(buf)
-    while pos < end:
-        tag, pos = _varint(buf, pos, end)
-        number, wire = tag >> 3, tag & 7
-        if number == 0:
-            raise _Malformed("a field has number 0")
-        value: int | bytes
-        if wire == 0:
-            value, pos = _varint(buf, pos, end)
-        elif wire == 1:
-            if pos + 8 > end:
-                raise _Malformed("a fixed64 field runs past the end of its message")
-            value, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
-        elif wire == 2:
-            size, pos = _varint(buf, pos, end)
-            if size > end - pos:
-                raise _Malformed(f"a field claims {size} bytes, but only {end - pos} remain in its message")
-            value, pos = bytes(buf[pos : pos + size]), pos + size
-        elif wire == 5:
-            if pos + 4 > end:
-                raise _Malformed("a fixed32 field runs past the end of its message")
-            value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
-        else:
-            raise _Malformed(f"field {number} has wire type {wire}, which these messages never use")
-        yield number, wire, value
-
-
-def _int(wire: int, value: int | bytes, what: str) -> int:
-    if wire != 0 or not isinstance(value, int):
-        raise _Malformed(f"{what} is not a varint")
-    return _signed(value)
-
-
-def _bytes(wire: int, value: int | bytes, what: str) -> bytes:
-    if wire != 2 or not isinstance(value, bytes):
-        raise _Malformed(f"{what} is not length-delimited")
-    return value
-
-
-def _text(wire: int, value: int | bytes, what: str) -> str:
-    try:
-        return _bytes(wire, value, what).decode("utf-8")
-    except UnicodeDecodeError:
-        raise _Malformed(f"{what} is not UTF-8") from None
-
-
-# --- the table (SSTable) ------------------------------------------------------------------------
-
-
-def _block(data: bytes, offset: int, size: int, what: str) -> memoryview:
-    """The contents of the block at (offset, size), its trailer's type and CRC checked."""
-    if offset > len(data) or size > len(data) - offset or _BLOCK_TRAILER > len(data) - offset - size:
-        raise _Malformed(f"{what} at offset {offset}, {size} bytes, runs past the end of the file ({len(data)} bytes)")
-    view = memoryview(data)
-    kind = data[offset + size]
-    if kind != 0:
-        raise _Malformed(
-            f"{what} is compressed (type {kind}); only uncompressed tables (type 0), which TensorFlow writes, are read"
-        )
-    stored = int.from_bytes(data[offset + size + 1 : offset + size + 5], "little")
-    actual = mask_crc(google_crc32c.value(bytes(view[offset : offset + size + 1])))
-    if stored != actual:
-        raise _Malformed(f"{what} fails its checksum (stored {stored:#010x}, computed {actual:#010x})")
-    return view[offset : offset + size]
-
-
-def _block_entries(block: memoryview, what: str) -> Iterator[tuple[bytes, memoryview]]:
-    """The (key, value) pairs of a block: keys share a prefix with the previous key."""
-    n = len(block)
-    if n < 4:
-        raise _Malformed(f"{what} is {n} bytes, too short to hold its restart count")
-    restarts = int.from_bytes(block[n - 4 :], "little")
-    if restarts > (n - 4) // 4:
-        raise _Malformed(f"{what} claims {restarts} restart points, more than its {n} bytes can hold")
-    end = n - 4 - 4 * restarts
-    pos, key = 0, b""
-    while pos < end:
-        shared, pos = _varint(block, pos, end)
-        unshared, pos = _varint(block, pos, end)
-        size, pos = _varint(block, pos, end)
-        if shared > len(key):
-            raise _Malformed(f"{what}: a key shares {shared} bytes with a previous key of {len(key)}")
-        if unshared > end - pos or size > end - pos - unshared:
-            raise _Malformed(f"{what}: an entry runs past the end of the block")
-        key = key[:shared] + bytes(block[pos : pos + unshared])
-        pos += unshared
-        yield key, block[pos : pos + size]
-        pos += size
-
-
-def _handle(buf: bytes | memoryview, pos: int, end: int) -> tuple[int, int, int]:
-    offset, pos = _varint(buf, pos, end)
-    size, pos = _varint(buf, pos, end)
-    return offset, size, pos
-
-
-def _table(data: bytes) -> Iterator[tuple[bytes, memoryview]]:
-    """Every (key, value) of a table file, in key order, each block checked."""
-    if len(data) < _FOOTER_SIZE:
-        raise _Malformed(f"the file is {len(data)} bytes, shorter than a table's {_FOOTER_SIZE}-byte footer")
-    footer = data[-_FOOTER_SIZE:]
-    magic = int.from_bytes(footer[40:], "little")
-    if magic != _TABLE_MAGIC:
-        raise _Malformed(f"the footer's magic number is {magic:#018x}, not a table's {_TABLE_MAGIC:#018x}")
-    _, _, pos = _handle(footer, 0, 40)  # the metaindex block: TensorFlow puts nothing in it
-    index_offset, index_size, _ = _handle(footer, pos, 40)
-    index = _block(data, index_offset, index_size, "the index block")
-    for _, value in _block_entries(index, "the index block"):
-        offset, size, _ = _handle(value, 0, len(value))
-        yield from _block_entries(_block(data, offset, size, f"the data block at offset {offset}"), "a data block")
-
-
-# --- the bundle's messages -------------------------------------------------------------------
-
-
-class _Header:
-    def __init__(self, buf: bytes) -> None:
-        self.num_shards, self.endianness, self.min_consumer = 0, 0, 0
-        for number, wire, value in _fields(buf):
-            if number == 1:
-                self.num_shards = _int(wire, value, "num_shards")
-            elif number == 2:
-                self.endianness = _int(wire, value, "endianness")
-            elif number == 3:  # VersionDef: producer 1, min_consumer 2, bad_consumers 3
-                for n, w, v in _fields(_bytes(wire, value, "version")):
-                    if n == 2:
-                        self.min_consumer = _int(w, v, "version.min_consumer")
-
-
-class _Entry:
-    """A BundleEntryProto: a value's dtype and shape, and where its bytes are."""
-
-    def __init__(self, buf: bytes) -> None:
-        self.dtype = 0
-        self.shape: tuple[int, ...] = ()
-        self.shard_id = self.offset = self.size = self.crc32c = 0
-        self.slices: list[tuple[tuple[int, int], ...]] = []  # (start, length or -1 for all) per dim
-        for number, wire, value in _fields(buf):
-            if number == 1:
-                self.dtype = _int(wire, value, "dtype")
-            elif number == 2:
-                self.shape = _shape(_bytes(wire, value, "shape"))
-            elif number == 3:
-                self.shard_id = _int(wire, value, "shard_id")
-            elif number == 4:
-                self.offset = _int(wire, value, "offset")
-            elif number == 5:
-                self.size = _int(wire, value, "size")
-            elif number == 6:
-                if wire != 5 or not isinstance(value, int):
-                    raise _Malformed("crc32c is not a fixed32")
-                self.crc32c = value
-            elif number == 7:
-                self.slices.append(_slice(_bytes(wire, value, "slices")))
-        if self.shard_id < 0 or self.offset < 0 or self.size < 0:
-            raise _Malformed(f"negative shard_id, offset or size ({self.shard_id}, {self.offset}, {self.size})")
-
-
-def _shape(buf: bytes) -> tuple[int, ...]:
-    """A TensorShapeProto: dims (field 2, each a Dim with size in field 1); unknown_rank (3)."""
-    dims: list[int] = []
-    for number, wire, value in _fields(buf):
-        if number == 2:
-            size = 0
-            for n, w, v in _fields(_bytes(wire, value, "shape.dim")):
-                if n == 1:
-                    size = _int(w, v, "shape.dim.size")
-            if size < 0:
-                raise _Malformed(f"a dimension is {size}: a stored value has no unknown dimensions")
-            dims.append(size)
-            if len(dims) > _MAX_RANK:
-                raise _Malformed(f"a shape has more than {_MAX_RANK} dimensions")
-        elif number == 3 and _int(wire, value, "unknown_rank"):
-            raise _Malformed("a stored value's shape has unknown rank")
-    return tuple(dims)
-
-
-def _slice(buf: bytes) -> tuple[tuple[int, int], ...]:
-    """A TensorSliceProto: one Extent per dim, start (1) and length (2; absent means the whole dim)."""
-    extents: list[tuple[int, int]] = []
-    for number, wire, value in _fields(buf):
-        if number == 1:
-            start, length = 0, -1
-            for n, w, v in _fields(_bytes(wire, value, "slice extent")):
-                if n == 1:
-                    start = _int(w, v, "extent.start")
-                elif n == 2:
-                    length = _int(w, v, "extent.length")
-                    if length < 0:
-                        raise _Malformed(f"a slice extent has length {length}")
-            if start < 0:
-                raise _Malformed(f"a slice extent starts at {start}")
-            extents.append((start, length))
-            if len(extents) > _MAX_RANK:
-                raise _Malformed(f"a slice has more than {_MAX_RANK} dimensions")
-    return tuple(extents)
-
-
-# --- OrderedCode, for the keys of slices ------------------------------------------------------
-
-
-def _num_increasing(value: int) -> bytes:
-    """OrderedCode::WriteNumIncreasing: a length byte, then the number big-endian."""
-    body = value.to_bytes((value.bit_length() + 7) // 8, "big")
-    return bytes([len(body)]) + body
-
-
-def _signed_num_increasing(value: int) -> bytes:
-    """OrderedCode::WriteSignedNumIncreasing: the two's complement in the fewest bytes L that keep
-    its sign, with the top L bits flipped, so that the bytes sort as the numbers do."""
-    x = ~value if value < 0 else value
-    length = x.bit_length() // 7 + 1  # 7 bits per byte are the number's, one of them its sign
-    bits = 8 * length
-    word = (value % (1 << bits)) ^ (((1 << length) - 1) << (bits - length))
-    return word.to_bytes(length, "big")
-
-
-def encode_tensor_name_slice(name: str, extents: tuple[tuple[int, int], ...]) -> bytes:
-    """The key under which TensorFlow's BundleWriter::AddSlice stores one slice of ``name``
-    (EncodeTensorNameSlice): a 0, the escaped name, the rank, then start and length of each dim
-    (a whole dim is start 0, length -1). Starting with a 0 byte, it never clashes with a name."""
-    escaped = name.encode("utf-8").replace(b"\xff", b"\xff\x00").replace(b"\x00", b"\x00\xff")
-    out = [_num_increasing(0), escaped + b"\x00\x01", _num_increasing(len(extents))]
-    for start, length in extents:
-        out += [_signed_num_increasing(start), _signed_num_increasing(length if length >= 0 else -1)]
-    return b"".join(out)
 
 
 # --- keys -------------------------------------------------------------------------------------
@@ -405,8 +131,8 @@ class Reader:
     def __init__(self, prefix: str) -> None:
         self.path = prefix
         self.index_path = prefix + ".index"
-        self._entries: dict[str, _Entry] = {}  # TF name -> entry, in key order, slices excluded
-        self._slices: dict[bytes, _Entry] = {}  # EncodeTensorNameSlice key -> the slice's entry
+        self._entries: dict[str, BundleEntry] = {}  # TF name -> entry, in key order, slices excluded
+        self._slices: dict[bytes, BundleEntry] = {}  # EncodeTensorNameSlice key -> the slice's entry
         self.num_shards = 0
         self._parse()
         self.name = (
@@ -427,30 +153,30 @@ class Reader:
             raise CheckpointFormatError(f"{self.index_path!r}: no such file; not a TensorFlow checkpoint") from None
         except OSError as e:  # permission denied, a directory: not damage, the storage said no
             raise StorageError(f"Cannot read {self.index_path!r}: {e.strerror or e}", e.errno) from None
-        header: _Header | None = None
+        header: BundleHeader | None = None
         previous: bytes | None = None
         try:
-            for key, value in _table(data):
+            for key, value in table(data):
                 if previous is not None and key <= previous:
-                    raise _Malformed(f"keys are out of order ({previous!r} then {key!r})")
+                    raise Malformed(f"keys are out of order ({previous!r} then {key!r})")
                 previous = key
                 if len(self._entries) + len(self._slices) >= _MAX_ENTRIES:
-                    raise _Malformed(f"more than {_MAX_ENTRIES} entries")
+                    raise Malformed(f"more than {_MAX_ENTRIES} entries")
                 if key == b"":
-                    header = _Header(bytes(value))
+                    header = BundleHeader(bytes(value))
                     continue
                 if header is None:
-                    raise _Malformed("the first key is not the header's empty key")
-                entry = _Entry(bytes(value))
+                    raise Malformed("the first key is not the header's empty key")
+                entry = BundleEntry(bytes(value))
                 if key[0] == 0:  # a slice of a partitioned variable (EncodeTensorNameSlice)
                     self._slices[key] = entry
                     continue
                 try:
                     name = key.decode("utf-8")
                 except UnicodeDecodeError:
-                    raise _Malformed(f"the name {key!r} is not UTF-8") from None
+                    raise Malformed(f"the name {key!r} is not UTF-8") from None
                 self._entries[name] = entry
-        except _Malformed as e:
+        except Malformed as e:
             raise self._fail(f"malformed TensorFlow checkpoint index: {e}") from None
         if header is None:
             raise self._fail("the index has no header (its empty key); not a TensorFlow checkpoint index")
@@ -465,14 +191,14 @@ class Reader:
         if not 0 <= header.num_shards <= _MAX_SHARDS:
             raise self._fail(f"the header claims {header.num_shards} data shards")
         self.num_shards = header.num_shards
-        for name, entry in [*self._entries.items(), *((_slice_name(k), e) for k, e in self._slices.items())]:
+        for name, entry in [*self._entries.items(), *((slice_key_name(k), e) for k, e in self._slices.items())]:
             if entry.dtype in _DTYPES and not entry.slices:
                 self._check_sizes(name, entry)
         for name, entry in self._entries.items():
             if entry.slices:
                 self._check_slices(name, entry)
 
-    def _check_sizes(self, name: str, entry: _Entry) -> None:
+    def _check_sizes(self, name: str, entry: BundleEntry) -> None:
         """A value's claims, checked against each other before anything is read or allocated."""
         nbytes = math.prod(entry.shape) * _DTYPES[entry.dtype].itemsize
         if nbytes > _MAX_VALUE_BYTES:
@@ -485,7 +211,7 @@ class Reader:
         if entry.shard_id >= self.num_shards:
             raise self._fail(f"{name!r} is in data shard {entry.shard_id}, but the checkpoint has {self.num_shards}")
 
-    def _check_slices(self, name: str, entry: _Entry) -> None:
+    def _check_slices(self, name: str, entry: BundleEntry) -> None:
         if entry.dtype not in _DTYPES:
             raise self._fail(f"{name!r} is partitioned, but its dtype {entry.dtype} has no numpy form")
         total = math.prod(entry.shape)
@@ -526,7 +252,7 @@ class Reader:
     def read(self, key: str, leaf: ArrayLeaf) -> np.ndarray:
         name = leaf.at.ref if isinstance(leaf.at, InForeign) else None
         entry = self._entries.get(name) if isinstance(name, str) else None
-        if entry is None or entry.dtype not in _DTYPES:
+        if not isinstance(name, str) or entry is None or entry.dtype not in _DTYPES:
             raise CheckpointFormatError(f"{self.path!r}: {key!r} is not a value of this TensorFlow checkpoint")
         if entry.slices:
             pieces = [self._slices[encode_tensor_name_slice(name, extents)] for extents in entry.slices]
@@ -544,7 +270,7 @@ class Reader:
             return out
         return self._read_entry(key, entry)
 
-    def _open_shard(self, key: str, entry: _Entry) -> tuple[str, int]:
+    def _open_shard(self, key: str, entry: BundleEntry) -> tuple[str, int]:
         """The data shard that holds ``entry`` (its path, an open descriptor), checked to be long
         enough to hold it: a truncated shard is refused before any memory is allocated."""
         shard = _shard_path(self.path, entry.shard_id, self.num_shards)
@@ -565,7 +291,7 @@ class Reader:
             )
         return shard, fd
 
-    def _read_entry(self, key: str, entry: _Entry) -> np.ndarray:
+    def _read_entry(self, key: str, entry: BundleEntry) -> np.ndarray:
         """The bytes of one stored value, its size checked against its shard before they are read."""
         dtype = _DTYPES[entry.dtype]
         shard, fd = self._open_shard(key, entry)
@@ -581,7 +307,7 @@ class Reader:
                 done += n
         finally:
             os.close(fd)
-        actual = mask_crc(_crc32c(view))
+        actual = mask_crc(crc32c(view))
         if actual != entry.crc32c:
             raise CheckpointCorruptedError(
                 f"{self.path!r}: {key!r} fails its checksum in {shard!r} "
@@ -605,22 +331,22 @@ class Reader:
         raw = self._read_string(OBJECT_GRAPH_KEY, entry)
         try:
             nodes = []
-            for number, wire, value in _fields(raw):
+            for number, wire, value in fields(raw):
                 if number == 1:
                     children = []
-                    for n, w, v in _fields(_bytes(wire, value, "node")):
+                    for n, w, v in fields(as_bytes(wire, value, "node")):
                         if n == 1:  # ObjectReference: node_id 1, local_name 2
                             node_id, local = 0, ""
-                            for n2, w2, v2 in _fields(_bytes(w, v, "child")):
+                            for n2, w2, v2 in fields(as_bytes(w, v, "child")):
                                 if n2 == 1:
-                                    node_id = _int(w2, v2, "node_id")
+                                    node_id = as_int(w2, v2, "node_id")
                                 elif n2 == 2:
-                                    local = _text(w2, v2, "local_name")
+                                    local = as_text(w2, v2, "local_name")
                             children.append((node_id, local))
                     nodes.append(children)
                     if len(nodes) > _MAX_OBJECTS:
-                        raise _Malformed(f"more than {_MAX_OBJECTS} objects")
-        except _Malformed as e:
+                        raise Malformed(f"more than {_MAX_OBJECTS} objects")
+        except Malformed as e:
             raise self._fail(f"malformed {OBJECT_GRAPH_KEY}: {e}") from None
         # Breadth first from the root, as TensorFlow names objects: each by its shortest path.
         paths: dict[int, str] = {0: ""}
@@ -634,7 +360,7 @@ class Reader:
                     queue.append(child)
         return [paths[n] for n in queue[1:]]
 
-    def _read_string(self, key: str, entry: _Entry) -> bytes:
+    def _read_string(self, key: str, entry: BundleEntry) -> bytes:
         """A scalar DT_STRING: [varint64 length][masked CRC-32C of the length][bytes]; the entry's
         CRC covers the length (as 4 bytes), that masked CRC, then the bytes."""
         shard, fd = self._open_shard(key, entry)
@@ -644,8 +370,8 @@ class Reader:
         if len(data) != entry.size:
             raise CheckpointCorruptedError(f"{self.path!r}: {key!r}: {shard!r} ended while reading it")
         try:
-            length, pos = _varint(data, 0, len(data))
-        except _Malformed as e:
+            length, pos = varint(data, 0, len(data))
+        except Malformed as e:
             raise CheckpointCorruptedError(f"{self.path!r}: {key!r}: {e}") from None
         if pos + 4 + length != len(data):
             raise CheckpointCorruptedError(
@@ -661,12 +387,6 @@ class Reader:
         if mask_crc(crc) != entry.crc32c:
             raise CheckpointCorruptedError(f"{self.path!r}: {key!r} fails its checksum in {shard!r}")
         return data[pos + 4 :]
-
-
-def _slice_name(key: bytes) -> str:
-    """How messages name a slice's entry: the variable's name in its EncodeTensorNameSlice key."""
-    name = key[1:].split(b"\x00\x01", 1)[0].replace(b"\x00\xff", b"\x00").replace(b"\xff\x00", b"\xff")
-    return f"a slice of {name.decode('utf-8', 'replace')}"
 
 
 def _slice_shape(extents: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> tuple[int, ...]:
