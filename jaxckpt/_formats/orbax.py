@@ -61,15 +61,10 @@ What is checked (a checkpoint is untrusted input)
 
 from __future__ import annotations
 
-import base64
-import builtins
 import dataclasses
-import json
-import math
 import os
 import re
-import stat
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -79,10 +74,21 @@ from jaxckpt._errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     NotACheckpointError,
-    StorageError,
 )
-from jaxckpt._format import DTYPES, MAX_DEPTH, MAX_RANK, NUMPY, ArrayLeaf, InForeign, ValueLeaf
+from jaxckpt._format import MAX_DEPTH, NUMPY, ArrayLeaf, InForeign, ValueLeaf
 from jaxckpt._formats import EMPTY_DICT, Entry
+from jaxckpt._formats.orbax_metadata import (
+    METADATA_LIMIT,
+    ZARR_METADATA_LIMIT,
+    int_tuple,
+    leaf_name,
+    malformed,
+    parse_json,
+    read_json,
+    sharding_table,
+    zarr2_array,
+    zarr3_array,
+)
 
 NAME = "Orbax"
 
@@ -92,22 +98,7 @@ JSON_ITEM_FILE = "metadata"  # what JsonCheckpointHandler writes
 STRINGS_FILE = "_strings.json"  # StringHandler: every str leaf of an item, by name
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # a folder still being written (Orbax renames it when done)
 
-# Size limits of the JSON files read whole: far above what real checkpoints hold (_METADATA takes
-# about 300 bytes a leaf), low enough that a crafted file cannot exhaust memory.
-METADATA_LIMIT = 256 << 20
-ZARR_METADATA_LIMIT = 1 << 20
-MAX_ARRAY_BYTES = 1 << 40
-
 _STEP = re.compile(r"^(?:[^/]*_)?([0-9]{1,18})$")  # "30", or "checkpoint_30" with a step_prefix
-_ZARR2_COMPRESSORS = frozenset({"zstd", "gzip", "zlib", "blosc"})
-_ZARR3_CODECS = frozenset({"bytes", "zstd", "gzip", "blosc", "crc32c"})
-_ZARR2_FIELDS = frozenset(
-    {"zarr_format", "shape", "chunks", "dtype", "compressor", "fill_value", "order", "filters", "dimension_separator"}
-)
-_ZARR3_FIELDS = frozenset(
-    {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "codecs", "fill_value"}
-    | {"attributes", "dimension_names", "storage_transformers"}
-)
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 # Empty containers: nodes of the tree, with no values below. Every node of a foreign checkpoint is a
 # dict (a list's edges are its indices), so each is an empty dict.
@@ -188,6 +179,18 @@ def latest(directory: str) -> str | None:
 # --- reading ------------------------------------------------------------------------------------
 
 
+class _PendingArray(NamedTuple):
+    """An array leaf of a PyTree item, listed until its zarr metadata is read (all at once)."""
+
+    slot: int  # its place among the item's entries
+    edges: tuple[str, ...]
+    key: str
+    name: str  # its Orbax name, which is its folder (or key prefix) in the item
+    kind: str  # the value_type: "jax.Array", "np.ndarray" or "scalar"
+    value: dict[str, Any]  # its value_metadata in _METADATA
+    what: str  # how messages name it
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: the spec is a dict
 class ArrayRef:
     """Where an array leaf is: the TensorStore spec that opens it, with its checked metadata as
@@ -195,162 +198,6 @@ class ArrayRef:
 
     spec: dict[str, Any]
     name: str
-
-
-def _read_json(file: str, limit: int, what: str) -> Any:
-    """The JSON in ``file`` (at most ``limit`` bytes), or None if there is no such file."""
-    try:
-        if not stat.S_ISREG(os.stat(file).st_mode):  # a FIFO would block, a device never end
-            raise CheckpointFormatError(f"{what} ({file!r}) is not a regular file: it is damaged or crafted.")
-        with builtins.open(file, "rb") as f:
-            data = f.read(limit + 1)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise StorageError(f"Cannot read {what} ({file!r}): {e}", e.errno) from e
-    if len(data) > limit:
-        raise CheckpointFormatError(f"{what} ({file!r}) is larger than {limit} bytes: it is damaged or crafted.")
-    return _parse_json(data, f"{what} ({file!r})")
-
-
-def _parse_json(data: bytes, what: str) -> Any:
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CheckpointFormatError(f"{what} is not valid JSON: {e}") from e
-
-
-def _fail(what: str, expected: str, found: Any) -> CheckpointFormatError:
-    return CheckpointFormatError(f"{what}: expected {expected}, found {str(found)[:200]!r}. It is damaged or crafted.")
-
-
-def _ints(value: Any, what: str, field: str, minimum: int = 0) -> tuple[int, ...]:
-    if (
-        not isinstance(value, list)
-        or len(value) > MAX_RANK
-        or not all(type(v) is int and v >= minimum for v in value)  # bool is not a size
-    ):
-        raise _fail(what, f"{field} as a list of at most {MAX_RANK} integers >= {minimum}", value)
-    return tuple(value)
-
-
-def _dtype(name: Any, what: str, zarr3: bool) -> np.dtype:
-    """The numpy dtype of a zarr ``dtype`` (v2: ``<f4``, ``|b1``, or TensorStore's ``bfloat16``...)
-    or ``data_type`` (v3: ``float32``, ``bfloat16``)."""
-    if isinstance(name, str) and name in DTYPES and (zarr3 or DTYPES[name].kind == "V"):  # ml_dtypes: kind V
-        return DTYPES[name]
-    if isinstance(name, str) and not zarr3 and len(name) >= 3 and name[0] in "<|" and name[1] in "biufc":
-        try:
-            dtype = np.dtype(name)
-        except TypeError:
-            dtype = None
-        if dtype is not None and dtype in DTYPES.values() and dtype.byteorder in "=|":
-            return dtype
-    raise _fail(what, "a numeric dtype (little-endian) that jaxckpt knows", name)
-
-
-def _check_size(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype, what: str) -> None:
-    if len(chunks) != len(shape) or any(c > max(1, n) for c, n in zip(chunks, shape)):
-        raise _fail(what, f"chunks of rank {len(shape)}, each at most the shape {shape}", chunks)
-    if math.prod(shape) * dtype.itemsize > MAX_ARRAY_BYTES:
-        raise CheckpointFormatError(
-            f"{what}: the array of shape {shape} and dtype {dtype.name} would take more than {MAX_ARRAY_BYTES} "
-            "bytes. It is damaged or crafted."
-        )
-
-
-def _zarr2(meta: Any, what: str) -> tuple[np.dtype, tuple[int, ...]]:
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 2:
-        raise _fail(what, "zarr v2 metadata (a JSON object with zarr_format 2)", meta)
-    unknown = set(meta) - _ZARR2_FIELDS
-    if unknown:
-        raise _fail(what, f"only the fields {sorted(_ZARR2_FIELDS)}", sorted(unknown))
-    shape = _ints(meta.get("shape"), what, "shape")
-    chunks = _ints(meta.get("chunks"), what, "chunks", minimum=1)
-    dtype = _dtype(meta.get("dtype"), what, zarr3=False)
-    compressor = meta.get("compressor")
-    if compressor is not None and (not isinstance(compressor, dict) or compressor.get("id") not in _ZARR2_COMPRESSORS):
-        raise _fail(what, f"no compressor or one of {sorted(_ZARR2_COMPRESSORS)}", compressor)
-    if meta.get("filters") not in (None, []):
-        raise _fail(what, "no filters", meta.get("filters"))
-    if meta.get("order", "C") != "C":
-        raise _fail(what, "order 'C'", meta.get("order"))
-    if meta.get("dimension_separator", ".") not in (".", "/"):
-        raise _fail(what, "dimension_separator '.' or '/'", meta.get("dimension_separator"))
-    _check_size(shape, chunks, dtype, what)
-    return dtype, shape
-
-
-def _codecs(codecs: Any, what: str, shape: tuple[int, ...], chunks: tuple[int, ...], nested: bool) -> None:
-    if not isinstance(codecs, list) or not codecs or len(codecs) > 8:
-        raise _fail(what, "a list of codecs", codecs)
-    for codec in codecs:
-        name = codec.get("name") if isinstance(codec, dict) else None
-        if name == "sharding_indexed" and not nested:
-            config = codec.get("configuration")
-            if not isinstance(config, dict):
-                raise _fail(what, "a configuration of the sharding_indexed codec", codec)
-            inner = _ints(config.get("chunk_shape"), what, "the sharded chunk_shape", minimum=1)
-            _check_size(chunks, inner, np.dtype("uint8"), what)
-            _codecs(config.get("codecs"), what, shape, inner, nested=True)
-            _codecs(config.get("index_codecs"), what, shape, inner, nested=True)
-        elif name not in _ZARR3_CODECS:
-            raise _fail(what, f"codecs among {sorted(_ZARR3_CODECS | {'sharding_indexed'})}", codec)
-
-
-def _zarr3(meta: Any, what: str) -> tuple[np.dtype, tuple[int, ...]]:
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type", "array") != "array":
-        raise _fail(what, "zarr3 array metadata (a JSON object with zarr_format 3)", meta)
-    unknown = set(meta) - _ZARR3_FIELDS
-    if unknown:
-        raise _fail(what, f"only the fields {sorted(_ZARR3_FIELDS)}", sorted(unknown))
-    shape = _ints(meta.get("shape"), what, "shape")
-    dtype = _dtype(meta.get("data_type"), what, zarr3=True)
-    grid = meta.get("chunk_grid")
-    if not isinstance(grid, dict) or grid.get("name") != "regular" or not isinstance(grid.get("configuration"), dict):
-        raise _fail(what, "a regular chunk_grid", grid)
-    chunks = _ints(grid["configuration"].get("chunk_shape"), what, "chunk_shape", minimum=1)
-    encoding = meta.get("chunk_key_encoding")
-    if not isinstance(encoding, dict) or encoding.get("name") not in ("default", "v2"):
-        raise _fail(what, "the chunk_key_encoding 'default' or 'v2'", encoding)
-    if meta.get("storage_transformers") not in (None, []):
-        raise _fail(what, "no storage_transformers", meta.get("storage_transformers"))
-    _check_size(shape, chunks, dtype, what)
-    _codecs(meta.get("codecs"), what, shape, chunks, nested=False)
-    return dtype, shape
-
-
-def _shardings(folder: str) -> dict[str, str]:
-    """How each array was sharded when saved, by Orbax name, as jaxckpt describes it
-    (``NamedSharding(mesh={'data': 4}, spec=('data', None))``), from the item's ``_sharding`` file.
-    Informational only (reading never depends on it), so a file that does not parse is ignored."""
-    try:
-        table = _read_json(os.path.join(folder, "_sharding"), METADATA_LIMIT, "Orbax's sharding table")
-    except CheckpointFormatError:
-        return {}
-    out: dict[str, str] = {}
-    for encoded, text in table.items() if isinstance(table, dict) else ():
-        try:
-            name = base64.b64decode(encoded, validate=True).decode("utf-8")
-            record = json.loads(text)
-            if record.get("sharding_type") != "NamedSharding":
-                continue
-            mesh = dict(zip(record["axis_names"], record["shape"], strict=True))
-            if math.prod(mesh.values()) > 1 and all(isinstance(n, str) and type(k) is int for n, k in mesh.items()):
-                spec = tuple(tuple(p) if isinstance(p, list) else p for p in record["partition_spec"])
-                out[name] = f"NamedSharding(mesh={mesh}, spec={spec})"[:1000]
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-            continue
-    return out
-
-
-def _leaf_name(edges: list[str], what: str) -> str:
-    """The Orbax name of a leaf, which is also its folder (or key prefix) in the item: kept inside it."""
-    name = ".".join(edges)
-    parts = name.split("/")
-    if not name or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
-        raise _fail(what, "a leaf name that stays inside the checkpoint's folder", name)
-    return name
 
 
 def _old_layout(folder: str) -> CheckpointFormatError:
@@ -373,7 +220,7 @@ class Reader:
         if _is_item(names):
             self._pytree_item(path, ())
             return
-        handlers = _read_json(os.path.join(path, CHECKPOINT_METADATA), METADATA_LIMIT, "Orbax's checkpoint metadata")
+        handlers = read_json(os.path.join(path, CHECKPOINT_METADATA), METADATA_LIMIT, "Orbax's checkpoint metadata")
         handlers = handlers.get("item_handlers") if isinstance(handlers, dict) else None
         if isinstance(handlers, str):  # one item saved in this folder by its own handler
             self._item(path, (), handlers)
@@ -381,7 +228,7 @@ class Reader:
             for item, handler in handlers.items():
                 folder = os.path.join(path, item)
                 if not item or item in (".", "..") or "/" in item or "\\" in item:
-                    raise _fail(f"{path!r}: {CHECKPOINT_METADATA}", "item names that are folder names", item)
+                    raise malformed(f"{path!r}: {CHECKPOINT_METADATA}", "item names that are folder names", item)
                 if not os.path.isdir(folder):
                     raise CheckpointCorruptedError(
                         f"{path!r}: {CHECKPOINT_METADATA} lists the item {item!r}, but its folder {folder!r} is "
@@ -404,7 +251,7 @@ class Reader:
         if _is_item(names):
             self._pytree_item(folder, prefix)
         elif "JsonCheckpointHandler" in handler or (not handler and JSON_ITEM_FILE in names):
-            value = _read_json(os.path.join(folder, JSON_ITEM_FILE), METADATA_LIMIT, "a JSON item of Orbax")
+            value = read_json(os.path.join(folder, JSON_ITEM_FILE), METADATA_LIMIT, "a JSON item of Orbax")
             if value is None:
                 raise CheckpointCorruptedError(f"The JSON item {folder!r} has no file {JSON_ITEM_FILE!r}.")
             self._json(value, prefix, f"{folder!r}", 0)
@@ -432,18 +279,18 @@ class Reader:
     def _pytree_item(self, folder: str, prefix: tuple[str, ...]) -> None:
         file = os.path.join(folder, TREE_METADATA)
         where = f"{file!r}"
-        meta = _read_json(file, METADATA_LIMIT, "Orbax's tree metadata")
+        meta = read_json(file, METADATA_LIMIT, "Orbax's tree metadata")
         if meta is None:
             if "checkpoint" in _names(folder):
                 raise _old_layout(folder)
             raise CheckpointCorruptedError(f"The Orbax item {folder!r} has no {TREE_METADATA} file.")
         if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
-            raise _fail(where, "a JSON object with 'tree_metadata'", meta)
+            raise malformed(where, "a JSON object with 'tree_metadata'", meta)
         # Absent from _METADATA of older Orbax versions: their defaults then, OCDBT where its manifest is.
         defaults = {"use_ocdbt": "manifest.ocdbt" in _names(folder), "use_zarr3": False}
         flags = {k: meta.get(k, defaults.get(k, False)) for k in (*defaults, "store_array_data_equal_to_fill_value")}
         if not all(isinstance(v, bool) for v in flags.values()):
-            raise _fail(where, "use_ocdbt, use_zarr3 and store_array_data_equal_to_fill_value as booleans", flags)
+            raise malformed(where, "use_ocdbt, use_zarr3 and store_array_data_equal_to_fill_value as booleans", flags)
         absolute = os.path.abspath(folder) + "/"
         if flags["use_ocdbt"]:
             if not os.path.isfile(os.path.join(folder, "manifest.ocdbt")):
@@ -457,14 +304,14 @@ class Reader:
         strings: dict[str, Any] | None = None
         # Arrays are listed first and their zarr metadata read all at once, then made entries in place.
         slots: list[Entry | None] = []
-        arrays: list[tuple[int, tuple[str, ...], str, str, str, dict[str, Any], str]] = []
+        arrays: list[_PendingArray] = []
         for tree_key, record in meta["tree_metadata"].items():
             what = f"{where}, leaf {tree_key[:200]!r}"
             if not isinstance(record, dict) or not isinstance(record.get("value_metadata"), dict):
-                raise _fail(what, "key_metadata and value_metadata", record)
+                raise malformed(what, "key_metadata and value_metadata", record)
             path = record.get("key_metadata")
             if not isinstance(path, list) or not path or len(path) > MAX_DEPTH:
-                raise _fail(what, f"key_metadata as a list of 1 to {MAX_DEPTH} keys", path)
+                raise malformed(what, f"key_metadata as a list of 1 to {MAX_DEPTH} keys", path)
             edges = []
             for part in path:
                 if (
@@ -472,14 +319,14 @@ class Reader:
                     or not isinstance(part.get("key"), str)
                     or part.get("key_type") not in (1, 2)
                 ):
-                    raise _fail(what, "keys as {'key': str, 'key_type': 1 or 2}", part)
+                    raise malformed(what, "keys as {'key': str, 'key_type': 1 or 2}", part)
                 edges.append(part["key"])
             key = "/".join((*prefix, *edges))
             what = f"{key!r} of the Orbax checkpoint {self.path!r}"
             value = record["value_metadata"]
             kind = value.get("value_type")
             if not isinstance(kind, str):
-                raise _fail(f"{what} ({file!r})", "a value_type", kind)
+                raise malformed(f"{what} ({file!r})", "a value_type", kind)
             full = (*prefix, *edges)
             # None and empty containers are saved as skip_deserialize: their value type is all there is.
             if kind == "None":
@@ -489,13 +336,14 @@ class Reader:
             elif value.get("skip_deserialize") is True:
                 slots.append(Entry(full, None, note="not saved (skip_deserialize)"))
             elif kind in _ARRAY_TYPES:
-                arrays.append((len(slots), full, key, _leaf_name(edges, f"{what} ({file!r})"), kind, value, what))
+                name = leaf_name(edges, f"{what} ({file!r})")
+                arrays.append(_PendingArray(len(slots), full, key, name, kind, value, what))
                 slots.append(None)
             elif kind == "string":
                 if strings is None:
-                    strings = _read_json(os.path.join(folder, STRINGS_FILE), METADATA_LIMIT, "Orbax's strings")
+                    strings = read_json(os.path.join(folder, STRINGS_FILE), METADATA_LIMIT, "Orbax's strings")
                     if not isinstance(strings, dict):
-                        raise _fail(f"{what}: {os.path.join(folder, STRINGS_FILE)!r}", "a JSON object", strings)
+                        raise malformed(f"{what}: {os.path.join(folder, STRINGS_FILE)!r}", "a JSON object", strings)
                 text = strings.get(".".join(edges))
                 if not isinstance(text, str):
                     raise CheckpointCorruptedError(f"{what}: its string is missing from {STRINGS_FILE} in {folder!r}.")
@@ -505,10 +353,10 @@ class Reader:
         metadata_file = "zarr.json" if flags["use_zarr3"] else ".zarray"
         raws = _tensorstore.read_foreign_files(
             kvstore,
-            [(f"{a[3]}/{metadata_file}", f"{a[6]} ({a[3] + '/' + metadata_file!r})") for a in arrays],
+            [(f"{a.name}/{metadata_file}", f"{a.what} ({a.name + '/' + metadata_file!r})") for a in arrays],
             ZARR_METADATA_LIMIT,
         )
-        shardings = _shardings(folder) if arrays else {}
+        shardings = sharding_table(folder) if arrays else {}
         for (slot, full, key, name, kind, value, what), raw in zip(arrays, raws):
             slots[slot] = self._array(full, key, name, kind, value, kvstore, flags, what, raw, shardings.get(name))
         self._entries.extend(entry for entry in slots if entry is not None)
@@ -532,10 +380,10 @@ class Reader:
         where = f"{what} ({file!r})"
         if raw is None:
             raise CheckpointCorruptedError(f"{what}: its array metadata {file!r} is missing from the checkpoint.")
-        meta = _parse_json(raw, where)
-        dtype, shape = _zarr3(meta, where) if zarr3 else _zarr2(meta, where)
+        meta = parse_json(raw, where)
+        dtype, shape = zarr3_array(meta, where) if zarr3 else zarr2_array(meta, where)
         if "write_shape" in value:
-            write = _ints(value["write_shape"], f"{what} (write_shape in {TREE_METADATA})", "write_shape")
+            write = int_tuple(value["write_shape"], f"{what} (write_shape in {TREE_METADATA})", "write_shape")
             if len(write) != len(shape) or any(w > max(1, n) for w, n in zip(write, shape)):
                 raise CheckpointFormatError(
                     f"{what}: {TREE_METADATA} says it was written in shards of shape {write}, which do not fit "
@@ -564,8 +412,9 @@ class Reader:
         return list(self._entries)
 
     def read(self, key: str, leaf: ArrayLeaf) -> np.ndarray:
-        ref = leaf.at.ref  # type: ignore[union-attr]
-        assert isinstance(ref, ArrayRef)
+        ref = leaf.at.ref if isinstance(leaf.at, InForeign) else None
+        if not isinstance(ref, ArrayRef):
+            raise CheckpointFormatError(f"{self.path!r}: {key!r} is not a value of this Orbax checkpoint")
         what = f"{key!r} of the Orbax checkpoint {self.path!r} (array {ref.name!r})"
         store = _tensorstore.open_foreign_array(ref.spec, what)
         if tuple(store.shape) != leaf.shape or store.dtype.name != leaf.dtype.name:
