@@ -325,9 +325,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 if not is_dir:
                     raise
                 # A listed checkpoint that is gone or unreadable: report it with the others.
-                results.append(
-                    Verified(path, **{"unreadable" if isinstance(e, StorageError) else "damaged": [("", str(e))]})
-                )
+                found = [("", str(e))]
+                storage = isinstance(e, StorageError)
+                results.append(Verified(path, unreadable=found) if storage else Verified(path, damaged=found))
     if args.json:
         _print_json(
             [

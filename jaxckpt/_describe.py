@@ -85,8 +85,7 @@ def build_tree(index: Index, match: Callable[[str], bool] | None) -> KeyTree | N
         if info is None:
             leaf = index.leaves[key]
             return KeyTree(key, label, None, leaf, [], 1, leaf_nbytes(leaf)) if chosen else None
-        kids = [walk(join(key, e), e, chosen) for e in edges_for(info.keys)]
-        kids = [k for k in kids if k is not None]
+        kids = [kid for e in edges_for(info.keys) if (kid := walk(join(key, e), e, chosen)) is not None]
         if not kids and not chosen:
             return None
         if key and len(kids) == 1 and kids[0].info is not None:  # "opt_state" + "0" -> "opt_state/0"

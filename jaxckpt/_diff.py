@@ -13,7 +13,7 @@ from jaxckpt._describe import json_value, key_matcher, leaf_shape, leaf_type, se
 from jaxckpt._format import ArrayLeaf, Leaf, ValueLeaf
 from jaxckpt._progress import Progress
 from jaxckpt._reader import open_latest
-from jaxckpt._scan import batches, number_text, numeric, one_large, pieces, read_arrays
+from jaxckpt._scan import array_leaf, batches, number_text, numeric, one_large, pieces, read_arrays
 
 
 @dataclasses.dataclass
@@ -76,26 +76,27 @@ def diff(a: str, b: str, patterns: Sequence[str] = (), *, atol: float = 0.0, pro
         y = lb.get(key)
         if y is None:
             continue
-        if _kind(x) != _kind(y) or (isinstance(x, ArrayLeaf) and x.prng_impl != y.prng_impl):
-            out.changed.append((key, _kind(x), _kind(y)))
-        elif isinstance(x, ValueLeaf):
-            if json.dumps(json_value(x.value), sort_keys=True) == json.dumps(json_value(y.value), sort_keys=True):
+        if isinstance(x, ArrayLeaf) and isinstance(y, ArrayLeaf):
+            if _kind(x) != _kind(y) or x.prng_impl != y.prng_impl:
+                out.changed.append((key, _kind(x), _kind(y)))
+            else:
+                comparable.append(key)
+        elif isinstance(x, ValueLeaf) and isinstance(y, ValueLeaf) and x.type == y.type:
+            if _json(x.value, sort_keys=True) == _json(y.value, sort_keys=True):
                 verdicts[key] = None
             else:
-                show = lambda v: json.dumps(json_value(v.value), ensure_ascii=False)  # noqa: E731
-                verdicts[key] = (None, f"{show(x)} -> {show(y)}")
+                verdicts[key] = (None, f"{_json(x.value)} -> {_json(y.value)}")
         else:
-            comparable.append(key)
+            out.changed.append((key, _kind(x), _kind(y)))
     for batch in batches(ra, comparable):
         if one_large(ra, batch):  # piece by piece, never whole
             (key,) = batch
             worst = 0.0
-            for x, y in zip(pieces(ra, key), pieces(rb, key)):
-                worst = max(worst, _max_abs_diff(x, y), key=lambda d: (math.isnan(d), d))
-                progress.update(x.nbytes)
+            for pa, pb in zip(pieces(ra, key), pieces(rb, key)):
+                worst = max(worst, _max_abs_diff(pa, pb), key=lambda d: (math.isnan(d), d))
+                progress.update(pa.nbytes)
             if math.isnan(worst) or worst > atol:
-                text = "different keys" if la[key].prng_impl else f"max |a - b| = {number_text(worst)}"
-                verdicts[key] = (worst, text)
+                verdicts[key] = (worst, _difference(array_leaf(ra, key), worst))
             else:
                 verdicts[key] = None
             continue
@@ -103,15 +104,23 @@ def diff(a: str, b: str, patterns: Sequence[str] = (), *, atol: float = 0.0, pro
         for key in batch:
             worst = _max_abs_diff(xs[key], ys[key])
             if math.isnan(worst) or worst > atol:
-                text = "different keys" if la[key].prng_impl else f"max |a - b| = {number_text(worst)}"
-                verdicts[key] = (worst, text)
+                verdicts[key] = (worst, _difference(array_leaf(ra, key), worst))
             else:
                 verdicts[key] = None
         progress.update(sum(x.nbytes for x in xs.values()))
     for key in la:  # report in graph order
         if key in verdicts:
-            if verdicts[key] is None:
+            verdict = verdicts[key]
+            if verdict is None:
                 out.same.append(key)
             else:
-                out.different.append((key, *verdicts[key]))
+                out.different.append((key, *verdict))
     return out
+
+
+def _json(value: object, sort_keys: bool = False) -> str:
+    return json.dumps(json_value(value), ensure_ascii=False, sort_keys=sort_keys)
+
+
+def _difference(leaf: ArrayLeaf, worst: float) -> str:
+    return "different keys" if leaf.prng_impl else f"max |a - b| = {number_text(worst)}"

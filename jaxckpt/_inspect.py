@@ -153,12 +153,12 @@ class CheckpointView:
         def visit(t: KeyTree, prefix: str, last: bool, top: bool) -> None:
             branch = "" if top else ("└── " if last else "├── ")
             name = prefix + branch + (printable(t.label) if t.label or not top else "(root)")
-            if t.leaf is None:
+            if t.info is not None:  # a node
                 if not top:
                     rows.append((name, node_type(t.info), plural(t.count, "value"), human_bytes(t.nbytes)))
             elif isinstance(t.leaf, ValueLeaf):
                 rows.append((name, leaf_type(t.leaf), short_value(t.leaf), ""))
-            else:
+            elif t.leaf is not None:
                 rows.append((name, leaf_type(t.leaf), str(leaf_shape(t.leaf)), human_bytes(t.nbytes)))
             inner = "" if top else prefix + ("    " if last else "│   ")
             for i, child in enumerate(t.children):
@@ -211,21 +211,23 @@ class CheckpointView:
     def _repr_html_(self) -> str:
         total = len(self.index.leaves)
 
-        def leaf_html(t: KeyTree) -> str:
-            leaf = t.leaf
+        def leaf_html(leaf: Leaf, t: KeyTree) -> str:
+            title = ""
             if isinstance(leaf, ValueLeaf):
                 detail = f"{leaf_type(leaf)} = {short_value(leaf, 80)}"
             else:
                 detail = f"{leaf_type(leaf)} {leaf_shape(leaf)} · {human_bytes(t.nbytes)}"
-            title = f' title="sharding: {html.escape(leaf.sharding)}"' if getattr(leaf, "sharding", None) else ""
+                if leaf.sharding:
+                    title = f' title="sharding: {html.escape(leaf.sharding)}"'
             return (
                 f'<div class="jx-leaf"{title}><span class="jx-key">{html.escape(t.label)}</span> '
                 f'<span class="jx-dim">{html.escape(detail)}</span></div>'
             )
 
         def node_html(t: KeyTree, depth: int) -> str:
-            if t.leaf is not None:
-                return leaf_html(t)
+            if t.info is None:
+                assert t.leaf is not None  # a KeyTree is a node (info) or a value (leaf)
+                return leaf_html(t.leaf, t)
             inner = "".join(node_html(c, depth + 1) for c in t.children)
             if depth == 0:
                 return inner

@@ -40,15 +40,18 @@ def batches(opened: Opened, keys: Sequence[str], budget: int | None = None) -> I
     Arrays are read whole (``Opened`` reads whole arrays), so a larger array is a group of its own.
     """
     budget = BATCH_BYTES if budget is None else budget
-    leaves = opened.index.leaves
-    by_pack: dict[int, list[str]] = defaultdict(list)
+    leaves = {key: array_leaf(opened, key) for key in keys}
+    by_pack: dict[int, list[tuple[int, str]]] = defaultdict(list)  # pack -> (offset, key)
     arrays: list[str] = []
-    for key in keys:
-        at = leaves[key].at
-        (by_pack[at.pack] if isinstance(at, InPack) else arrays).append(key)
-    groups = [sorted(ks, key=lambda k: leaves[k].at.offset) for ks in by_pack.values()] + [arrays]
+    for key, leaf in leaves.items():
+        if isinstance(leaf.at, InPack):
+            by_pack[leaf.at.pack].append((leaf.at.offset, key))
+        else:
+            arrays.append(key)
+    groups = [[k for _, k in sorted(ks)] for ks in by_pack.values()] + [arrays]
     for group in groups:
-        batch, size = [], 0
+        batch: list[str] = []
+        size = 0
         for key in group:
             if batch and size + leaves[key].nbytes > budget:
                 yield batch
@@ -62,7 +65,7 @@ def batches(opened: Opened, keys: Sequence[str], budget: int | None = None) -> I
 def read_arrays(opened: Opened, keys: Sequence[str]) -> dict[str, np.ndarray]:
     """The arrays at ``keys`` as numpy (PRNG keys as key data), read and checksummed in one batch."""
     values = opened.load(dict.fromkeys(keys, NO_TEMPLATE))
-    return {k: raw(opened.index.leaves[k], v) for k, v in values.items()}
+    return {k: raw(array_leaf(opened, k), v) for k, v in values.items()}
 
 
 def pieces(opened: Opened, key: str) -> Iterator[np.ndarray]:
@@ -71,7 +74,15 @@ def pieces(opened: Opened, key: str) -> Iterator[np.ndarray]:
 
 
 def one_large(opened: Opened, batch: Sequence[str]) -> bool:
-    return len(batch) == 1 and opened.index.leaves[batch[0]].nbytes > BATCH_BYTES
+    return len(batch) == 1 and array_leaf(opened, batch[0]).nbytes > BATCH_BYTES
+
+
+def array_leaf(opened: Opened, key: str) -> ArrayLeaf:
+    """The record of the array at ``key`` (these functions read arrays only)."""
+    leaf = opened.index.leaves[key]
+    if not isinstance(leaf, ArrayLeaf):
+        raise TypeError(f"{key!r} holds a Python value, not an array")
+    return leaf
 
 
 def numeric(data: np.ndarray) -> np.ndarray:

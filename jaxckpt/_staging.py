@@ -255,15 +255,16 @@ def publish(staging: Location, path: Location, index: bytes, overwrite: bool) ->
         # The checkpoint is complete: the marker is no longer needed to tell its data apart.
         _tensorstore.kv_delete(path.spec(), SAVE_MARKER)
         return
-    staged = staging.local
+    staged, dest = staging.local, path.local
+    if staged is None:
+        raise ValueError(f"the staging folder of the local {path.text!r} must be local too, not {staging.text!r}")
     try:
-        _publish_local(staged, path, index, overwrite)
+        _publish_local(staged, dest, path, index, overwrite)
     finally:
         _release(staged)
 
 
-def _publish_local(staged: Path, path: Location, index: bytes, overwrite: bool) -> None:
-    dest = path.local
+def _publish_local(staged: Path, dest: Path, path: Location, index: bytes, overwrite: bool) -> None:
     _storage.write_durable(staged / INDEX_FILE, index)
     # The checkpoint must not carry the owner file. Its lock stays held (on the unlinked file) until
     # the end; a folder without one is never removed as stale, so this is done as late as it can be.

@@ -50,7 +50,7 @@ class Location:
         text = self.text.rstrip("/") + "/" + name
         if self.local is not None:
             return Location(text, local=self.local / name)
-        return Location(text, kv={**self.kv, "path": self.kv["path"] + name + "/"})
+        return Location(text, kv={**self.store, "path": self.store["path"] + name + "/"})
 
     def __str__(self) -> str:
         return self.text
@@ -66,7 +66,14 @@ class Location:
             local = self.local.resolve() if ".." in self.local.parts else self.local
             _check_local(str(local), self.text)
             return {"driver": "file", "path": str(local) + "/"}
-        return dict(self.kv)
+        return dict(self.store)
+
+    @property
+    def store(self) -> dict[str, Any]:
+        """The kvstore spec of a prefix in an object store; a local folder has none."""
+        if self.kv is None:
+            raise ValueError(f"{self.text!r} is a local folder, not a prefix in a kvstore")
+        return self.kv
 
 
 def _bad_path(text: Any, why: str) -> UnsupportedValueError:
@@ -176,10 +183,10 @@ def read_file(folder: Location, name: str, limit: int = STATE_READ_LIMIT) -> byt
         return None
     if exceeds:
         raise _too_large(where, None, limit)
-    data = _tensorstore.kv_read(folder.spec(), name)
-    if data is not None and len(data) > limit:  # replaced by a larger object in between
-        raise _too_large(where, len(data), limit)
-    return data
+    stored = _tensorstore.kv_read(folder.spec(), name)
+    if stored is not None and len(stored) > limit:  # replaced by a larger object in between
+        raise _too_large(where, len(stored), limit)
+    return stored
 
 
 def _too_large(where: str, size: int | None, limit: int) -> CheckpointFormatError:

@@ -9,7 +9,7 @@ from jaxckpt._errors import CheckpointFormatError, JaxckptError, StorageError, U
 from jaxckpt._format import ArrayLeaf
 from jaxckpt._progress import Progress
 from jaxckpt._reader import ForeignOpened, open_latest
-from jaxckpt._scan import batches, one_large, pieces, read_arrays
+from jaxckpt._scan import array_leaf, batches, one_large, pieces, read_arrays
 
 
 @dataclasses.dataclass
@@ -74,7 +74,7 @@ def verify(path: str, progress: Progress | None = None) -> Verified:
                     read([key])
                 except (CheckpointFormatError, StorageError) as each:
                     record(key, each)
-        size = sum(leaves[k].nbytes for k in batch)
+        size = sum(array_leaf(opened, k).nbytes for k in batch)
         result.nbytes += size
         progress.update(size)
     return result
