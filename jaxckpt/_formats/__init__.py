@@ -27,15 +27,35 @@ from __future__ import annotations
 import dataclasses
 import os
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from jaxckpt._errors import CheckpointFormatError
-from jaxckpt._format import ArrayLeaf, Index, Leaf
+from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
 from jaxckpt._tree import DICT, NodeInfo, escape_edge, join
 
 EMPTY_DICT = "empty dict"
+
+# The Python values that a foreign checkpoint holds as values (not arrays), by ValueLeaf type. bool
+# comes before int: a bool is an int.
+_PYTHON_VALUES: tuple[tuple[Literal["bool", "int", "float", "str"], type], ...] = (
+    ("bool", bool),
+    ("int", int),
+    ("float", float),
+    ("str", str),
+)
+
+
+def value_leaf(value: Any) -> ValueLeaf | None:
+    """``value`` as a ValueLeaf if it is None, a bool, int, float or str (what JSON and msgpack
+    decode to, and what a numpy scalar's ``item()`` gives); None for anything else."""
+    if value is None:
+        return ValueLeaf("none", None)
+    for name, t in _PYTHON_VALUES:
+        if isinstance(value, t):
+            return ValueLeaf(name, value)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ import math
 import os
 import re
 import stat
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import numpy as np
@@ -46,8 +46,8 @@ from jaxckpt._errors import (
     JaxckptError,
     StorageError,
 )
-from jaxckpt._format import DTYPES, MAX_DEPTH, MAX_RANK, NUMPY, NUMPY_SCALAR, ArrayLeaf, InForeign, ValueLeaf
-from jaxckpt._formats import EMPTY_DICT, Entry
+from jaxckpt._format import DTYPES, MAX_DEPTH, MAX_RANK, NUMPY, NUMPY_SCALAR, ArrayLeaf, InForeign
+from jaxckpt._formats import EMPTY_DICT, Entry, value_leaf
 
 NAME = "Flax msgpack"
 SUFFIX = ".msgpack"
@@ -353,13 +353,11 @@ class MsgpackReader:
         if isinstance(value, (_Array, _Chunks)):
             ref = len(self._values)
             self._values[ref] = value
-            container = NUMPY_SCALAR if value.scalar else NUMPY
+            container: Literal["numpy", "numpy_scalar"] = NUMPY_SCALAR if value.scalar else NUMPY
             return Entry(edges, ArrayLeaf(value.dtype, value.shape, container, InForeign(ref)))
-        if value is None:
-            return Entry(edges, ValueLeaf("none", None))
-        for name, t in (("bool", bool), ("int", int), ("float", float), ("str", str)):
-            if isinstance(value, t):
-                return Entry(edges, ValueLeaf(name, value))
+        leaf = value_leaf(value)
+        if leaf is not None:
+            return Entry(edges, leaf)
         if isinstance(value, bytes):
             return Entry(edges, None, note=f"bytes ({len(value):,})")
         if isinstance(value, msgpack.ExtType):

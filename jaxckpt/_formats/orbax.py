@@ -76,7 +76,7 @@ from jaxckpt._errors import (
     NotACheckpointError,
 )
 from jaxckpt._format import MAX_DEPTH, NUMPY, ArrayLeaf, InForeign, ValueLeaf
-from jaxckpt._formats import EMPTY_DICT, Entry
+from jaxckpt._formats import EMPTY_DICT, Entry, value_leaf
 from jaxckpt._formats.orbax_metadata import (
     METADATA_LIMIT,
     ZARR_METADATA_LIMIT,
@@ -273,8 +273,10 @@ class Reader:
             return
         if not edges:
             raise CheckpointFormatError(f"{what}: the JSON item is a single value; open the step folder instead.")
-        kind = "none" if value is None else type(value).__name__
-        self._entries.append(Entry(edges, ValueLeaf(kind, value)))
+        leaf = value_leaf(value)
+        if leaf is None:  # json.loads makes no other type
+            raise CheckpointFormatError(f"{what}: a value of type {type(value).__name__} in the JSON item.")
+        self._entries.append(Entry(edges, leaf))
 
     def _pytree_item(self, folder: str, prefix: tuple[str, ...]) -> None:
         file = os.path.join(folder, TREE_METADATA)
@@ -403,7 +405,10 @@ class Reader:
         leaf = ArrayLeaf(dtype, shape, NUMPY, InForeign(ArrayRef(spec, name)), sharding=sharding)
         if kind == "scalar":  # a Python int or float: read now, for its ValueLeaf
             number = self.read(key, leaf).item()
-            return Entry(edges, ValueLeaf(type(number).__name__, number))
+            scalar = value_leaf(number)
+            if scalar is None:  # dtype kinds b, i, u, f (checked above) give bool, int or float
+                raise CheckpointFormatError(f"{what}: a Python scalar of type {type(number).__name__}.")
+            return Entry(edges, scalar)
         return Entry(edges, leaf)
 
     # -- the Foreign protocol --

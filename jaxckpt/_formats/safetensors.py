@@ -261,7 +261,7 @@ class SafetensorsReader:
         buf = np.empty(nbytes, np.uint8)
         fd = _open_regular(self.path)
         try:
-            got = _readinto(fd, memoryview(buf), begin)
+            got = _readinto(fd, buf.data, begin)  # .data: the array's memoryview
         finally:
             os.close(fd)
         if got < nbytes:
@@ -462,4 +462,4 @@ def _write_tensor(f: Any, target: str, name: str, dtype: np.dtype, shape: tuple[
     if value.dtype.byteorder == ">" or (value.dtype.byteorder == "=" and not np.little_endian):
         value = value.astype(value.dtype.newbyteorder("<"))
     flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-    f.write(memoryview(flat))
+    f.write(flat.data)
