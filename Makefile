@@ -2,6 +2,7 @@
 # `make bench` also installs the bench extra (Orbax), then runs benchmarks/run.py $(BENCH_ARGS).
 # `make dist` builds the sdist and wheel into dist/ (the dist extra: build, twine) and checks them;
 # `make smoke` installs that wheel into a fresh virtualenv outside the checkout and uses it from there.
+# `make lint` checks style (ruff) and types (mypy, configured in pyproject.toml: zero errors).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -53,8 +54,9 @@ smoke:
 	PYTHON=$(PYTHON) bash scripts/smoke_wheel.sh
 
 lint: $(STAMP)
-	$(PY) -m ruff check jaxckpt tests examples
-	$(PY) -m ruff format --check jaxckpt tests examples
+	$(PY) -m ruff check jaxckpt tests examples benchmarks scripts
+	$(PY) -m ruff format --check jaxckpt tests examples benchmarks scripts
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) demo_ckpts dist build
