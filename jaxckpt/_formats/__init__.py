@@ -1,7 +1,8 @@
 """Reading the checkpoints that other libraries write: TensorFlow, Orbax, Flax msgpack, safetensors.
 
 Read-only: nothing here writes TensorFlow or Orbax files (``safetensors.write`` is the one writer,
-for ``jaxckpt convert``). Each format is a module of this package with the same surface:
+for ``jaxckpt convert``). Each format is a module of this package with the same surface, the
+:class:`Format` protocol that mypy holds every module to:
 
     NAME: str                                   how ``ls`` and error messages name the format
     def detect(path: str) -> bool               is ``path`` one checkpoint of this format? (cheap:
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from types import ModuleType
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -92,14 +92,30 @@ class Foreign(Protocol):
         ...
 
 
-def _modules() -> list[ModuleType]:
+class Format(Protocol):
+    """A format module of this package (the surface in this package's docstring). Every module is
+    checked against it where :func:`_modules` lists them, and so is what its ``open`` returns."""
+
+    @property
+    def NAME(self) -> str: ...
+
+    def detect(self, path: str, /) -> bool: ...
+
+    def open(self, path: str, /) -> Foreign: ...
+
+    def manages(self, directory: str, /) -> bool: ...
+
+    def latest(self, directory: str, /) -> str | None: ...
+
+
+def _modules() -> list[Format]:
     # Imported when first needed: reading a jaxckpt checkpoint never pays for these.
     from jaxckpt._formats import flax_msgpack, orbax, safetensors, tensorflow
 
     return [tensorflow, orbax, safetensors, flax_msgpack]
 
 
-def detect(path: str | os.PathLike[str]) -> ModuleType | None:
+def detect(path: str | os.PathLike[str]) -> Format | None:
     """The module of the format of the checkpoint at ``path``, or None if it is none of them."""
     text = os.fspath(path)
     for module in _modules():
@@ -108,7 +124,7 @@ def detect(path: str | os.PathLike[str]) -> ModuleType | None:
     return None
 
 
-def manager_of(directory: str | os.PathLike[str]) -> ModuleType | None:
+def manager_of(directory: str | os.PathLike[str]) -> Format | None:
     """The module of the format whose manager keeps ``directory``, or None."""
     text = os.fspath(directory)
     if not os.path.isdir(text):
