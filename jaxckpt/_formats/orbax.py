@@ -179,6 +179,14 @@ def latest(directory: str) -> str | None:
 # --- reading ------------------------------------------------------------------------------------
 
 
+class _Layout(NamedTuple):
+    """How a PyTree item stores its arrays: the flags of its ``_METADATA``, under Orbax's names."""
+
+    use_ocdbt: bool  # in one OCDBT database, not a folder per array
+    use_zarr3: bool  # zarr3 (zarr.json), not zarr v2 (.zarray)
+    store_array_data_equal_to_fill_value: bool  # every chunk stored: a missing one is damage
+
+
 class _PendingArray(NamedTuple):
     """An array leaf of a PyTree item, listed until its zarr metadata is read (all at once)."""
 
@@ -290,11 +298,12 @@ class Reader:
             raise malformed(where, "a JSON object with 'tree_metadata'", meta)
         # Absent from _METADATA of older Orbax versions: their defaults then, OCDBT where its manifest is.
         defaults = {"use_ocdbt": "manifest.ocdbt" in _names(folder), "use_zarr3": False}
-        flags = {k: meta.get(k, defaults.get(k, False)) for k in (*defaults, "store_array_data_equal_to_fill_value")}
+        flags = {k: meta.get(k, defaults.get(k, False)) for k in _Layout._fields}
         if not all(isinstance(v, bool) for v in flags.values()):
             raise malformed(where, "use_ocdbt, use_zarr3 and store_array_data_equal_to_fill_value as booleans", flags)
+        layout = _Layout(**flags)
         absolute = os.path.abspath(folder) + "/"
-        if flags["use_ocdbt"]:
+        if layout.use_ocdbt:
             if not os.path.isfile(os.path.join(folder, "manifest.ocdbt")):
                 raise CheckpointCorruptedError(
                     f"The Orbax item {folder!r} keeps its arrays in an OCDBT database (use_ocdbt in {TREE_METADATA}) "
@@ -352,7 +361,7 @@ class Reader:
                 slots.append(Entry(full, ValueLeaf("str", text)))
             else:
                 slots.append(Entry(full, None, note=f"Orbax value type {kind[:100]!r}"))
-        metadata_file = "zarr.json" if flags["use_zarr3"] else ".zarray"
+        metadata_file = "zarr.json" if layout.use_zarr3 else ".zarray"
         raws = _tensorstore.read_foreign_files(
             kvstore,
             [(f"{a.name}/{metadata_file}", f"{a.what} ({a.name + '/' + metadata_file!r})") for a in arrays],
@@ -360,7 +369,7 @@ class Reader:
         )
         shardings = sharding_table(folder) if arrays else {}
         for (slot, full, key, name, kind, value, what), raw in zip(arrays, raws):
-            slots[slot] = self._array(full, key, name, kind, value, kvstore, flags, what, raw, shardings.get(name))
+            slots[slot] = self._array(full, key, name, kind, value, kvstore, layout, what, raw, shardings.get(name))
         self._entries.extend(entry for entry in slots if entry is not None)
 
     def _array(
@@ -371,13 +380,13 @@ class Reader:
         kind: str,
         value: dict[str, Any],
         kvstore: dict[str, Any],
-        flags: dict[str, bool],
+        layout: _Layout,
         what: str,
         raw: bytes | None,
         sharding: str | None,
     ) -> Entry:
         """The entry of an array leaf, from ``raw``, its zarr metadata."""
-        zarr3 = flags["use_zarr3"]
+        zarr3 = layout.use_zarr3
         file = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
         where = f"{what} ({file!r})"
         if raw is None:
@@ -400,7 +409,7 @@ class Reader:
             "driver": "zarr3" if zarr3 else "zarr",
             "kvstore": {**kvstore, "path": kvstore.get("path", "") + name + "/"},  # in the database, or the folder
             "metadata": meta,  # what was checked is what TensorStore must find
-            "fill_missing_data_reads": not flags["store_array_data_equal_to_fill_value"],
+            "fill_missing_data_reads": not layout.store_array_data_equal_to_fill_value,
         }
         leaf = ArrayLeaf(dtype, shape, NUMPY, InForeign(ArrayRef(spec, name)), sharding=sharding)
         if kind == "scalar":  # a Python int or float: read now, for its ValueLeaf

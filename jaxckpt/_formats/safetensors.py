@@ -31,7 +31,7 @@ import re
 import stat
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -130,6 +130,15 @@ def latest(directory: str) -> str | None:
 # --- reading --------------------------------------------------------------------------------------
 
 
+class _Tensor(NamedTuple):
+    """Where a tensor's bytes are, its header entry checked."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # in the file: past the 8-byte length and the header
+    nbytes: int
+
+
 class SafetensorsReader:
     """An opened safetensors file: the header parsed and checked; values are read on demand."""
 
@@ -139,7 +148,7 @@ class SafetensorsReader:
         self.path = path
         self.metadata: dict[str, str] = {}
         # name -> (dtype, shape, absolute begin, nbytes); in the header's own order
-        self._tensors: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        self._tensors: dict[str, _Tensor] = {}
         self._parse()
 
     def _error(self, what: str) -> CheckpointFormatError:
@@ -193,7 +202,7 @@ class SafetensorsReader:
             if end > begin:
                 spans.append((begin, end, name))
             every.append((begin, end, name))
-            self._tensors[name] = (dtype, shape, data_start + begin, end - begin)
+            self._tensors[name] = _Tensor(dtype, shape, data_start + begin, end - begin)
         spans.sort()
         for (b0, e0, n0), (b1, _, n1) in itertools.pairwise(spans):  # sorted by begin: adjacent pairs suffice
             if b1 < e0:
