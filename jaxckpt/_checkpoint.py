@@ -8,6 +8,7 @@ import sys
 import time
 import warnings
 import weakref
+from types import FrameType
 from typing import Any
 
 import jax
@@ -24,9 +25,8 @@ from jaxckpt._errors import (
 from jaxckpt._format import ValueLeaf
 from jaxckpt._reader import Opened, open_checkpoint
 from jaxckpt._restore import KeyMap, RestoreStatus, mapped, summarize
-from jaxckpt._tree import CHECKPOINT, describe, escape_edge, flatten, join, placeholders_message, rebuild
+from jaxckpt._tree import CHECKPOINT, PathLike, describe, escape_edge, flatten, join, placeholders_message, rebuild
 
-PathLike = str | os.PathLike[str]
 SAVE_COUNTER = "save_counter"
 
 
@@ -55,7 +55,8 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside jaxckpt: a warning points at the user's call."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
         frame, level = frame.f_back, level + 1
     return level
@@ -414,7 +415,7 @@ class Checkpoint:
             status._reported.update(unused)
             if unused:
                 warnings.warn(
-                    f"{len(unused)} value(s) in {str(status._opened.path)!r} were never restored into an object:\n"
+                    f"{len(unused)} value(s) in {status.source!r} were never restored into an object:\n"
                     f"{summarize(unused, 5)}\nCall status.expect_partial() (ckpt.restore(path).expect_partial()) "
                     "if this is intended.",
                     UnusedValuesWarning,
@@ -423,7 +424,7 @@ class Checkpoint:
         # Still waiting: asked again at the next call (after an assignment, its unused values are known).
         self._statuses.extend(s for s in unsettled.values() if not s._settled)
         if saved_without and path is not None:
-            sources = ", ".join(sorted({repr(str(s._opened.path)) for s in saved_without.values()}))
+            sources = ", ".join(sorted({repr(s.source) for s in saved_without.values()}))
             warnings.warn(
                 f"Saving {os.fspath(path)!r} without {len(saved_without)} value(s) that a restore from {sources} still "
                 f"holds for children not assigned yet:\n{summarize(saved_without, 5)}\nAssign those children before "

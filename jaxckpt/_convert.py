@@ -11,6 +11,7 @@ out and reported.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -86,7 +87,7 @@ def _to_jaxckpt(
             values[key] = opened.load({key: NO_TEMPLATE})[key]
             result.values += 1
         else:
-            values[key] = _save.Deferred(leaf.shape, leaf.dtype, lambda key=key: read(key))
+            values[key] = _save.Deferred(leaf.shape, leaf.dtype, functools.partial(read, key))
     _save.write(dst, build(opened.index.nodes, values), overwrite=overwrite, budget=BUDGET)
 
 

@@ -11,8 +11,9 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any
+from typing import Any, Final, Literal, TypeGuard
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -49,8 +50,42 @@ MAX_CHUNK_BYTES = 256 << 20
 MAX_DEPTH = 256
 
 # Container of an array leaf: how it comes back without a template.
-JAX, NUMPY, NUMPY_SCALAR = "jax", "numpy", "numpy_scalar"
-SCALAR_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+Container = Literal["jax", "numpy", "numpy_scalar"]
+JAX: Final = "jax"
+NUMPY: Final = "numpy"
+NUMPY_SCALAR: Final = "numpy_scalar"
+CONTAINERS: frozenset[str] = frozenset({JAX, NUMPY, NUMPY_SCALAR})
+
+# What a value leaf holds: a Python scalar or str, None, or an object's JSON state.
+ScalarType = Literal["int", "float", "bool", "str"]
+ValueType = Literal["int", "float", "bool", "str", "none", "state"]
+SCALAR_TYPES: dict[ScalarType, type] = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def is_container(text: str) -> TypeGuard[Container]:
+    return text in CONTAINERS
+
+
+def is_scalar_type(text: str) -> TypeGuard[ScalarType]:
+    return text in SCALAR_TYPES
+
+
+def scalar_type(value: Any) -> ScalarType | None:
+    """The value type of a Python scalar or str (exactly: a subclass is not one), or None."""
+    return next((name for name, t in SCALAR_TYPES.items() if type(value) is t), None)
+
+
+@functools.lru_cache(maxsize=16)
+def prng_key_data_shape(impl: str) -> tuple[int, ...] | None:
+    """The key data shape of one key of a PRNG implementation registered with JAX under that name,
+    or None. A PRNG key array is stored as its key data: the key array's shape, then this.
+
+    Resolved by name in JAX's registry of implementations (nothing is imported) and only traced.
+    """
+    try:
+        return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+    except (ValueError, TypeError):
+        return None
 
 
 def _dtype_table() -> dict[str, np.dtype]:
@@ -145,7 +180,7 @@ class InForeign:
 class ArrayLeaf:
     dtype: np.dtype
     shape: tuple[int, ...]
-    container: str  # JAX, NUMPY or NUMPY_SCALAR
+    container: Container
     at: InArray | InPack | InForeign
     prng_impl: str | None = None  # typed PRNG keys: dtype/shape are those of the key data
     sharding: str | None = None  # how it was sharded when saved (informational)
@@ -154,12 +189,22 @@ class ArrayLeaf:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def value_shape(self) -> tuple[int, ...]:
+        """The shape of the value saved: for a PRNG key array, its key shape (without the key data's
+        trailing dimensions, see :func:`prng_key_data_shape`)."""
+        if not self.prng_impl:
+            return self.shape
+        # An implementation not registered here: one trailing dimension, as every one JAX has.
+        key_data = prng_key_data_shape(self.prng_impl) or (0,)
+        return self.shape[: len(self.shape) - len(key_data)]
+
 
 @dataclasses.dataclass(frozen=True)
 class ValueLeaf:
     """A Python scalar, str or None (``type`` in SCALAR_TYPES or "none"), or a JSON ``state``."""
 
-    type: str
+    type: ValueType
     value: Any
 
 

@@ -6,15 +6,12 @@ dtype, or an allocation that its own data does not back.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
 import zlib
 from collections.abc import Mapping
 from typing import Any
-
-import jax
 
 from jaxckpt._errors import (
     CheckpointCorruptedError,
@@ -26,15 +23,12 @@ from jaxckpt._format import (
     DTYPES,
     FORMAT_NAME,
     FORMAT_VERSION,
-    JAX,
     MAX_CHUNK_BYTES,
     MAX_DEPTH,
     MAX_DEVICES,
     MAX_MESHES,
     MAX_PROCESS,
     MAX_RANK,
-    NUMPY,
-    NUMPY_SCALAR,
     SCALAR_TYPES,
     ArrayLeaf,
     InArray,
@@ -46,9 +40,12 @@ from jaxckpt._format import (
     Pack,
     ValueLeaf,
     dtype_name,
+    is_container,
+    is_scalar_type,
+    prng_key_data_shape,
 )
 from jaxckpt._tree import CHECKPOINT as CHECKPOINT_KIND
-from jaxckpt._tree import NODE_KINDS, NodeInfo, child_keys, describe
+from jaxckpt._tree import NodeInfo, child_keys, describe, is_node_kind
 
 # What a store, an array and a pack may be named in an index: nothing else gets near a path.
 _STORE = re.compile(r"^data(\.p[1-9][0-9]{0,5})?$")
@@ -89,8 +86,10 @@ def _leaf_to_json(leaf: Leaf, meshes: Mapping[int, int]) -> dict[str, Any]:
             out["at"]["regions"] = {
                 store: [[list(r) for r in region] for region in regions] for store, regions in at.regions.items()
             }
-    else:
+    elif isinstance(at, InPack):
         out["at"] = {"pack": at.pack, "offset": at.offset, "nbytes": at.nbytes, "crc32": at.crc32}
+    else:
+        raise TypeError(f"{leaf!r} is in another library's checkpoint; a jaxckpt index cannot refer to it")
     return out
 
 
@@ -282,7 +281,7 @@ def _parse_nodes(raw: dict[str, Any], where: str) -> dict[str, NodeInfo]:
     for key, node in raw.items():
         w = f"{where} node {describe(key)}"
         kind = _get(node, "kind", str, w)
-        if kind not in NODE_KINDS:
+        if not is_node_kind(kind):
             raise _fail(w, f"unknown node kind {kind!r}")
         keys = _get(node, "keys", list, w)
         for k in keys:
@@ -327,25 +326,13 @@ def _deepest(nodes: Mapping[str, NodeInfo]) -> str | None:
     return next((k for k in nodes if _depth(k) >= MAX_DEPTH), None)
 
 
-@functools.lru_cache(maxsize=16)
-def _prng_key_shape(impl: str) -> tuple[int, ...] | None:
-    """The key data shape of a PRNG implementation registered with JAX under that name, or None.
-
-    Resolved by name in JAX's registry of implementations (nothing is imported) and only traced.
-    """
-    try:
-        return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
-    except (ValueError, TypeError):
-        return None
-
-
 def _parse_leaf(raw: Any, packs: list[Pack], meshes: list[MeshRecord], version: int, where: str) -> Leaf:
     kind = _get(raw, "type", str, where)
     if kind == "none":
         return ValueLeaf("none", None)
     if kind == "state":
         return ValueLeaf("state", _get(raw, "value", (dict, list, str, int, float, bool, type(None)), where))
-    if kind in SCALAR_TYPES:
+    if is_scalar_type(kind):
         if kind == "float":
             value = _get(raw, "value", (int, float, str), where)
             if isinstance(value, str):
@@ -367,11 +354,11 @@ def _parse_leaf(raw: Any, packs: list[Pack], meshes: list[MeshRecord], version: 
     if len(shape) > MAX_RANK or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise _fail(where, f"shape {shape!r} is not a list of non-negative integers")
     container = _get(raw, "container", str, where)
-    if container not in (JAX, NUMPY, NUMPY_SCALAR):
+    if not is_container(container):
         raise _fail(where, f"unknown container {container!r}")
     impl = _get(raw, "impl", str, where) if kind == "prng_key" else None
     if impl is not None:  # restores wrap the data as keys of this implementation: check it fits
-        key_shape = _prng_key_shape(impl)
+        key_shape = prng_key_data_shape(impl)
         if key_shape is None:
             raise _fail(where, f"unknown PRNG implementation {impl!r}")
         if name != "uint32" or len(shape) < len(key_shape) or tuple(shape[len(shape) - len(key_shape) :]) != key_shape:

@@ -10,7 +10,7 @@ import os
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -23,21 +23,41 @@ from jaxckpt._errors import (
     NotACheckpointError,
     UnsupportedValueError,
 )
-from jaxckpt._format import DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InPack, Leaf
+from jaxckpt._format import DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InForeign, InPack, Leaf
+from jaxckpt._in_flight import READ_AHEAD_BYTES, InFlight, Pending
 from jaxckpt._index_json import decode_index
+from jaxckpt._read_plan import (
+    Assembly,
+    Region,
+    RegionKey,
+    RegionPlan,
+    c_order_pieces,
+    pack_spans,
+    plan_region,
+    region_key,
+    stores_in,
+)
 from jaxckpt._templates import NO_TEMPLATE, cast_for, check, restored_value, target_sharding
-from jaxckpt._tree import describe
+from jaxckpt._tree import PathLike, describe
 
-# A region to read: its shape, and (data store, region there, where it goes or None) per part.
-_Parts = tuple[tuple[int, ...], list[tuple[str, tuple[slice, ...], Any]]]
-# Byte gaps up to this size between wanted pack spans are read through rather than split.
-_SPAN_GAP = 1 << 20
-# Bytes of array reads started but not yet finished.
-_READ_AHEAD_BYTES = 128 << 20
+# The arrays of one data store opened for reading: key -> TensorStore array.
+_Opened = dict[str, Any]
 
 
-def _hashable(index: tuple[slice, ...]) -> tuple[tuple[Any, Any, Any], ...]:
-    return tuple((s.start, s.stop, s.step) for s in index)
+class _ArrayRead(NamedTuple):
+    """One array leaf to read: the regions this process needs of it, and where they go."""
+
+    leaf: ArrayLeaf
+    at: InArray
+    sharding: jax.sharding.Sharding | None  # None: read whole, kept on the host
+    devices: dict[Any, Region]  # with a sharding: each device here -> the region it holds
+    regions: dict[RegionKey, RegionPlan]
+
+
+def _in_store(leaf: ArrayLeaf) -> InArray | InPack:
+    """Where an array leaf of jaxckpt's own index is: InForeign is only in other formats' indexes."""
+    assert not isinstance(leaf.at, InForeign), "a foreign leaf in a jaxckpt index"
+    return leaf.at
 
 
 class Opened:
@@ -46,10 +66,11 @@ class Opened:
     format = "jaxckpt"  # or the foreign format's name (ForeignOpened)
     # Values listed that have no numpy form (TensorFlow's iterator state, string tensors): key -> entry
     skipped: Mapping[str, _formats.Entry] = {}
+    path: str | os.PathLike[str]  # how messages name it
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: PathLike) -> None:
         self.location = _storage.location(path)
-        self.path = self.location.local or self.location.text  # how messages name it
+        self.path = self.location.local or self.location.text
         where = repr(str(self.location / INDEX_FILE))
         self.index: Index = decode_index(_storage.read_index_bytes(self.location), where)
         self._readers: dict[str, _tensorstore.Reader] = {}
@@ -62,6 +83,20 @@ class Opened:
             if key in self.skipped:
                 raise UnsupportedValueError(self._missing_key_message(key)) from None
             raise MissingKeyError(self._missing_key_message(key)) from None
+
+    def _array_leaf(self, key: str) -> ArrayLeaf:
+        leaf = self.leaf(key)
+        if not isinstance(leaf, ArrayLeaf):
+            raise ValueError(f"{describe(key)} is not an array")
+        return leaf
+
+    def _own_array(self, key: str) -> tuple[ArrayLeaf, InArray]:
+        """The array leaf at ``key`` and its zarr3 array (it must not be packed)."""
+        leaf = self._array_leaf(key)
+        at = _in_store(leaf)
+        if not isinstance(at, InArray):
+            raise ValueError(f"{describe(key)} is packed with other small values, not an array of its own")
+        return leaf, at
 
     def _missing_key_message(self, key: str) -> str:
         import difflib
@@ -85,9 +120,10 @@ class Opened:
             check(key, self.leaf(key), template)
         data = self._read(wanted)
         out: dict[str, Any] = {}
-        to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding]] = []
+        to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding | None]] = []
         for key, template in wanted.items():
-            leaf, value = self.index.leaves[key], data.get(key)
+            leaf = self.index.leaves[key]
+            value: Any = data.get(key)  # None for a value leaf
             if isinstance(leaf, ArrayLeaf) and not isinstance(value, jax.Array):
                 value = cast_for(key, leaf, template, value)  # a no-op for arrays read below
             if (
@@ -111,20 +147,24 @@ class Opened:
     def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         """The data of the array leaves among ``wanted``: host numpy, or jax.Arrays already placed
         as their templates want."""
-        packed: dict[int, list[str]] = defaultdict(list)
-        arrays: list[str] = []
+        packed: dict[int, dict[str, tuple[ArrayLeaf, InPack]]] = defaultdict(dict)
+        arrays: dict[str, tuple[ArrayLeaf, InArray]] = {}
         for key in wanted:
             leaf = self.index.leaves[key]
             if isinstance(leaf, ArrayLeaf):
-                (packed[leaf.at.pack] if isinstance(leaf.at, InPack) else arrays).append(key)
+                at = _in_store(leaf)
+                if isinstance(at, InPack):
+                    packed[at.pack][key] = (leaf, at)
+                else:
+                    arrays[key] = (leaf, at)
         data: dict[str, Any] = {}
         try:
-            targets, plans = self._plan_arrays({k: wanted[k] for k in arrays})
-            needed = {store for plan in plans.values() for _, parts in plan.values() for store, _, _ in parts}
+            reads = self._plan_arrays({k: (*arrays[k], wanted[k]) for k in arrays})
+            needed = stores_in(plan for read in reads.values() for plan in read.regions.values())
             self._check_backed([*arrays, *(k for keys in packed.values() for k in keys)], needed)
-            for pack, keys in packed.items():
-                data.update(self._read_packed(pack, keys))
-            data.update(self._read_arrays({k: wanted[k] for k in arrays}, targets, plans))
+            for pack, leaves in packed.items():
+                data.update(self._read_packed(pack, leaves))
+            data.update(self._read_arrays({k: wanted[k] for k in arrays}, reads))
         except CheckpointCorruptedError as e:
             if not self.exists():  # not damaged: gone (a manager's retention?)
                 raise CheckpointNotFoundError(
@@ -154,7 +194,7 @@ class Opened:
         for key in keys:
             leaf = self.index.leaves[key]
             assert isinstance(leaf, ArrayLeaf)
-            at = leaf.at
+            at = _in_store(leaf)
             if isinstance(at, InArray):
                 parts = {s: _format.store_bytes(at, leaf.shape, leaf.dtype.itemsize, s) for s in stores}
             else:
@@ -175,21 +215,14 @@ class Opened:
                     "its data is missing or truncated, or its index was crafted. Nothing was read."
                 )
 
-    def _read_packed(self, pack: int, keys: list[str]) -> dict[str, np.ndarray]:
-        leaves = {k: self.index.leaves[k] for k in keys}
-        ordered = sorted(keys, key=lambda k: leaves[k].at.offset)
-        spans: list[list[int]] = []
-        for k in ordered:
-            at = leaves[k].at
-            if spans and at.offset - spans[-1][1] <= _SPAN_GAP:
-                spans[-1][1] = max(spans[-1][1], at.offset + at.nbytes)
-            else:
-                spans.append([at.offset, at.offset + at.nbytes])
+    def _read_packed(self, pack: int, leaves: Mapping[str, tuple[ArrayLeaf, InPack]]) -> dict[str, np.ndarray]:
+        ordered = sorted(leaves, key=lambda k: leaves[k][1].offset)
+        spans = pack_spans((leaves[k][1].offset, leaves[k][1].nbytes) for k in ordered)
         info = self.index.packs[pack]
         try:
             reader = self._reader_of(DATA_DIR)
-            pending = reader.read_pack_spans(info.path, info.nbytes, info.chunk, [tuple(s) for s in spans])
-            buffers = [(start, _tensorstore.resolve(p)) for (start, _), p in zip(spans, pending)]
+            pending = reader.read_pack_spans(info.path, info.nbytes, info.chunk, spans)
+            buffers = [(start, p.result()) for (start, _), p in zip(spans, pending)]
         except CheckpointCorruptedError as e:  # name the values packed there, not the pack alone
             names = ", ".join(map(describe, ordered[:5])) + (
                 f" and {len(ordered) - 5} more" if len(ordered) > 5 else ""
@@ -200,7 +233,7 @@ class Opened:
             ) from e
         out = {}
         for k in ordered:
-            leaf, at = leaves[k], leaves[k].at
+            leaf, at = leaves[k]
             start, buffer = next((s, b) for s, b in reversed(buffers) if s <= at.offset)
             raw = buffer[at.offset - start : at.offset - start + at.nbytes]
             if zlib.crc32(raw) != at.crc32:
@@ -216,96 +249,72 @@ class Opened:
             self._readers[store] = _tensorstore.Reader((self.location / store).spec(), strict=self.index.version >= 2)
         return self._readers[store]
 
-    def _plan_arrays(self, wanted: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[Any, list[Any]]]]:
-        """Which regions each array is read in (those its target's devices here hold, or all of it),
-        and for each, the parts to read from each data store: ({key: (sharding, devices)},
-        {key: {region: [(store, source, into)]}})."""
-        targets, plans = {}, {}
-        for key, template in wanted.items():
-            leaf = self.index.leaves[key]
-            sharding = None if leaf.prng_impl else target_sharding(template, key)
-            if sharding is None:
-                devices = None
-                regions = {(): tuple(slice(None) for _ in leaf.shape)}
-            else:  # only the regions this process's devices hold
-                devices = sharding.addressable_devices_indices_map(leaf.shape)
-                regions = {_hashable(i): i for i in devices.values()}
-            targets[key] = (sharding, devices)
-            plans[key] = {h: self._sources(leaf, index) for h, index in regions.items()}
-        return targets, plans
-
     @staticmethod
-    def _sources(leaf: ArrayLeaf, index: tuple[slice, ...]) -> _Parts:
-        """The parts of region ``index`` of an array: its shape, and (data store, region there,
-        where it goes in the result, or None when one store holds all of it) for each part."""
-        at = leaf.at
-        want = [s.indices(n)[:2] for s, n in zip(index, leaf.shape)]
-        shape = tuple(hi - lo for lo, hi in want)
-        if at.regions is None and at.layout is None:
-            return shape, [(DATA_DIR, index, None)]
-        return shape, [
-            (
-                store,
-                tuple(slice(lo, hi) for lo, hi in box),
-                tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(box, want)),
-            )
-            for store, box in _format.pieces(at, leaf.shape, want)
-        ]
+    def _plan_arrays(wanted: Mapping[str, tuple[ArrayLeaf, InArray, Any]]) -> dict[str, _ArrayRead]:
+        """For each array ``{key: (leaf, at, template)}``, which regions are read (those its target's
+        devices here hold, or all of it) and the parts of each."""
+        out = {}
+        for key, (leaf, at, template) in wanted.items():
+            sharding = None if leaf.prng_impl else target_sharding(template, key)
+            devices: dict[Any, Region] = {}
+            if sharding is None:
+                regions: dict[RegionKey, Region] = {(): tuple(slice(None) for _ in leaf.shape)}
+            else:  # only the regions this process's devices hold (each has one: none is None)
+                devices = {
+                    d: i for d, i in sharding.addressable_devices_indices_map(leaf.shape).items() if i is not None
+                }
+                regions = {region_key(i): i for i in devices.values()}
+            plans = {h: plan_region(at, leaf.shape, index) for h, index in regions.items()}
+            out[key] = _ArrayRead(leaf, at, sharding, devices, plans)
+        return out
 
-    def _read_arrays(
-        self, wanted: Mapping[str, Any], targets: dict[str, Any], plans: dict[str, dict[Any, list[Any]]]
-    ) -> dict[str, Any]:
-        leaves = {k: self.index.leaves[k] for k in wanted}
+    def _read_arrays(self, wanted: Mapping[str, Any], reads: Mapping[str, _ArrayRead]) -> dict[str, Any]:
         # Open every array in every data store that holds a part this process reads, all at once.
-        requests: dict[str, dict[str, tuple[str, str, str, tuple[int, ...], Any]]] = defaultdict(dict)
-        for k, leaf in leaves.items():
-            for _, parts in plans[k].values():
-                for store, _, _ in parts:
-                    requests[store][k] = (k, leaf.at.path, leaf.at.stored, leaf.shape, leaf.at.chunks)
+        requests: dict[str, dict[str, tuple[str, str, str, tuple[int, ...], tuple[int, ...] | None]]]
+        requests = defaultdict(dict)
+        for k, read in reads.items():
+            for store in stores_in(read.regions.values()):
+                requests[store][k] = (k, read.at.path, read.at.stored, read.leaf.shape, read.at.chunks)
         stores = {store: self._reader_of(store).open_arrays(list(reqs.values())) for store, reqs in requests.items()}
-        pending_of = {}
-        in_flight = _tensorstore.InFlight(_READ_AHEAD_BYTES, _tensorstore.resolve)
-        for key in wanted:
-            leaf = leaves[key]
+        pending_of: dict[str, dict[RegionKey, Pending]] = {}
+        in_flight = InFlight(READ_AHEAD_BYTES)
+        for key, read in reads.items():
             pending = {}
-            for h, parts in plans[key].items():
-                pending[h] = self._start_read(key, leaf, stores, parts)
-                size = math.prod(parts[0]) * leaf.dtype.itemsize
-                in_flight.add(size, pending[h])
+            for h, plan in read.regions.items():
+                pending[h] = self._start_read(key, read.at, stores, plan)
+                in_flight.add(math.prod(plan.shape) * read.leaf.dtype.itemsize, pending[h])
             pending_of[key] = pending
         out = {}
         for key, pending in pending_of.items():
-            leaf = leaves[key]
-            sharding, devices = targets[key]
-            host = {
-                h: cast_for(key, leaf, wanted[key], self._as_logical(leaf, _tensorstore.resolve(p)))
-                for h, p in pending.items()
-            }
-            if sharding is None:
+            read = reads[key]
+            leaf = read.leaf
+            host = {h: cast_for(key, leaf, wanted[key], self._as_logical(leaf, p.result())) for h, p in pending.items()}
+            if read.sharding is None:
                 out[key] = host[()]
             else:
-                arrays = jax.device_put([host[_hashable(i)] for i in devices.values()], list(devices))
-                out[key] = jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+                arrays = jax.device_put([host[region_key(i)] for i in read.devices.values()], list(read.devices))
+                out[key] = jax.make_array_from_single_device_arrays(leaf.shape, read.sharding, arrays)
             del host  # the buffers now belong to the jax arrays (aliased on CPU), or are garbage
         return out
 
-    def read_regions(self, wanted: Mapping[str, list[tuple[slice, ...]]]) -> dict[str, list[np.ndarray]]:
+    def read_regions(self, wanted: Mapping[str, list[Region]]) -> dict[str, list[np.ndarray]]:
         """Host data of the given regions of array leaves (stored data: PRNG keys as key data),
         opening only the data stores that hold them. For tools and benchmarks that have no devices
         of the target sharding."""
-        plans = {k: [self._sources(self.leaf(k), index) for index in v] for k, v in wanted.items()}
-        self._check_backed(list(wanted), {store for p in plans.values() for _, parts in p for store, _, _ in parts})
+        plans = {}
+        for key, regions in wanted.items():
+            leaf, at = self._own_array(key)
+            plans[key] = (leaf, at, [plan_region(at, leaf.shape, index) for index in regions])
+        self._check_backed(list(wanted), stores_in(p for _, _, ps in plans.values() for p in ps))
         out = {}
-        for key, regions in plans.items():
-            leaf = self.index.leaves[key]
-            stores = self._open_for(key, leaf, {store for _, parts in regions for store, _, _ in parts})
-            pending = [self._start_read(key, leaf, stores, parts) for parts in regions]
-            out[key] = [self._as_logical(leaf, _tensorstore.resolve(p)) for p in pending]
+        for key, (leaf, at, regions_plans) in plans.items():
+            stores = self._open_for(key, leaf, at, stores_in(regions_plans))
+            pending = [self._start_read(key, at, stores, plan) for plan in regions_plans]
+            out[key] = [self._as_logical(leaf, p.result()) for p in pending]
         return out
 
-    def _open_for(self, key: str, leaf: ArrayLeaf, needed: Iterable[str]) -> dict[str, Any]:
+    def _open_for(self, key: str, leaf: ArrayLeaf, at: InArray, needed: Iterable[str]) -> dict[str, _Opened]:
         """The array of ``key`` opened in each of the data stores ``needed``."""
-        at = leaf.at
         return {
             store: self._reader_of(store).open_arrays([(key, at.path, at.stored, leaf.shape, at.chunks)])
             for store in needed
@@ -314,68 +323,33 @@ class Opened:
     def read_pieces(self, key: str, budget: int) -> Iterator[np.ndarray]:
         """The stored data of the array leaf at ``key`` (PRNG keys as key data), in C-order pieces of
         at most ``budget`` bytes each (or one element row): a large array is never held whole."""
-        leaf = self.leaf(key)
-        if not isinstance(leaf, ArrayLeaf):
-            raise ValueError(f"{describe(key)} is not an array")
-        if isinstance(leaf.at, InPack) or leaf.nbytes <= budget:
+        leaf = self._array_leaf(key)
+        at = _in_store(leaf)
+        if isinstance(at, InPack) or leaf.nbytes <= budget:
             value = self.load({key: NO_TEMPLATE})[key]
             yield np.asarray(jax.random.key_data(value) if leaf.prng_impl else value)
             return
-        self._check_backed([key], set(_format.stores_of(leaf.at)))
-        stores = self._open_for(key, leaf, _format.stores_of(leaf.at))
-        for index in _pieces(leaf.shape, leaf.dtype.itemsize, budget):
-            parts = self._sources(leaf, index)
-            yield self._as_logical(leaf, _tensorstore.resolve(self._start_read(key, leaf, stores, parts)))
+        self._check_backed([key], set(_format.stores_of(at)))
+        stores = self._open_for(key, leaf, at, _format.stores_of(at))
+        for index in c_order_pieces(leaf.shape, leaf.dtype.itemsize, budget):
+            plan = plan_region(at, leaf.shape, index)
+            yield self._as_logical(leaf, self._start_read(key, at, stores, plan).result())
 
-    def _start_read(self, key: str, leaf: ArrayLeaf, stores: Mapping[str, Any], plan: _Parts) -> Any:
-        """Start reading a region of the array from its parts (see :meth:`_sources`): from one
+    def _start_read(self, key: str, at: InArray, stores: Mapping[str, _Opened], plan: RegionPlan) -> Pending:
+        """Start reading a region of the array from its parts (see :func:`plan_region`): from one
         store, or assembled from the parts of several."""
-        at = leaf.at
-        shape, parts = plan
-        if len(parts) == 1 and parts[0][2] is None:
-            store, source, _ = parts[0]
+        if len(plan.parts) == 1 and plan.parts[0].into is None:
+            store, source, _ = plan.parts[0]
             return self._reader_of(store).read_regions(key, at.path, stores[store][key], [source])[0]
-        pieces = [
-            (into, self._reader_of(store).read_regions(key, at.path, stores[store][key], [source])[0])
-            for store, source, into in parts
-        ]
-        return (key, at.path, _Assembly(shape, np.dtype(at.stored), pieces))
+        parts: list[tuple[Region, Pending]] = []
+        for store, source, into in plan.parts:
+            assert into is not None  # a region in several parts says where each goes
+            parts.append((into, self._reader_of(store).read_regions(key, at.path, stores[store][key], [source])[0]))
+        return Assembly(plan.shape, np.dtype(at.stored), parts)
 
     @staticmethod
     def _as_logical(leaf: ArrayLeaf, data: np.ndarray) -> np.ndarray:
         return data if data.dtype == leaf.dtype else data.view(leaf.dtype)
-
-
-def _pieces(shape: tuple[int, ...], itemsize: int, budget: int) -> Iterator[tuple[slice, ...]]:
-    """Regions covering ``shape`` in C order, each at most ``budget`` bytes (or one element row)."""
-    if not shape or math.prod(shape) * itemsize <= budget:
-        yield tuple(slice(0, n) for n in shape)
-        return
-    inner = math.prod(shape[1:]) * itemsize
-    if inner <= budget or len(shape) == 1:
-        rows = max(1, budget // max(1, inner))
-        for start in range(0, shape[0], rows):
-            yield (slice(start, min(start + rows, shape[0])), *(slice(0, n) for n in shape[1:]))
-        return
-    for i in range(shape[0]):
-        for rest in _pieces(shape[1:], itemsize, budget):
-            yield (slice(i, i + 1), *rest)
-
-
-class _Assembly:
-    """One region of an array, put together from pieces read from several data stores."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, pieces: list[tuple[tuple[slice, ...], Any]]) -> None:
-        self._shape, self._dtype, self._pieces = shape, dtype, pieces
-        self._out: np.ndarray | None = None
-
-    def result(self) -> np.ndarray:
-        if self._out is None:  # resolved once, however often asked
-            out = _tensorstore.aligned_empty(self._shape, self._dtype)
-            for into, pending in self._pieces:
-                out[into] = _tensorstore.resolve(pending)
-            self._out, self._pieces = out, []
-        return self._out
 
 
 class ForeignOpened(Opened):
@@ -394,7 +368,8 @@ class ForeignOpened(Opened):
         self._read_keys: set[str] = set()
 
     def exists(self) -> bool:
-        return os.path.exists(self.path) or os.path.exists(self.path + ".index")
+        path = self.checkpoint.path
+        return os.path.exists(path) or os.path.exists(path + ".index")
 
     def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         out = {}
@@ -416,11 +391,11 @@ class ForeignOpened(Opened):
         if not isinstance(leaf, ArrayLeaf):
             raise ValueError(f"{describe(key)} is not an array")
         data = self.checkpoint.read(key)  # foreign formats are read whole; then handed on in pieces
-        for index in _pieces(leaf.shape, leaf.dtype.itemsize, budget):
+        for index in c_order_pieces(leaf.shape, leaf.dtype.itemsize, budget):
             yield data[index]
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Opened:
+def open_checkpoint(path: PathLike) -> Opened:
     """The checkpoint at ``path``, in whichever format is on disk: jaxckpt's own (a folder with an
     index), or a TensorFlow, Orbax, Flax msgpack or safetensors checkpoint (local paths)."""
     location = _storage.location(path)
@@ -439,7 +414,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Opened:
         ) from None
 
 
-def open_latest(path: str | os.str | os.PathLike[str][str]) -> Opened:
+def open_latest(path: PathLike) -> Opened:
     """The checkpoint at ``path``; a manager's directory (a state file, no index) means its latest
     checkpoint, as TensorFlow's ``load_variable`` takes a directory. So does a directory that
     TensorFlow's, Orbax's or Flax's manager keeps."""
@@ -474,7 +449,7 @@ def _foreign_manager(location: _storage.Location) -> tuple[Any, str | None] | No
     return None if module is None else (module, module.latest(str(location.local)))
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+def latest_checkpoint(directory: PathLike) -> str | None:
     """The latest checkpoint in ``directory``, or None if it holds none.
 
     For a :class:`~jaxckpt.CheckpointManager`'s directory it reads only the state file (no lock

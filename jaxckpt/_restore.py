@@ -4,26 +4,23 @@ status that ``Checkpoint.restore`` returns, and ``key_map``, which renames or ch
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxckpt import _async, _format, _formats
+from jaxckpt import _async, _formats
 from jaxckpt._errors import (
     CheckpointNotFoundError,
     MismatchError,
     MissingKeyError,
     RestoreAssertionError,
 )
-from jaxckpt._format import SCALAR_TYPES, ArrayLeaf, Leaf, ValueLeaf
+from jaxckpt._format import NUMPY, ArrayLeaf, InForeign, Leaf, ValueLeaf, scalar_type
 from jaxckpt._reader import ForeignOpened, Opened, open_latest
 from jaxckpt._templates import NO_TEMPLATE
-from jaxckpt._tree import build, flatten, placeholders_message, rebuild, unescape_edge
-
-PathLike = str | os.PathLike[str]
+from jaxckpt._tree import PathLike, build, flatten, placeholders_message, rebuild, unescape_edge
 
 
 def summarize(keys: Iterable[str], limit: int = 20) -> str:
@@ -102,18 +99,25 @@ class RestoreStatus:
     def _all_keys(self) -> list[str]:
         return self._opened.index.keys_under("") if self._opened else []
 
-    def _require_restore(self, what: str) -> None:
+    @property
+    def source(self) -> str:
+        """The checkpoint restored from, as messages name it ("" after ``restore(None)``)."""
+        return str(self._opened.path) if self._opened else ""
+
+    def _require_restore(self, what: str) -> str:
+        """The checkpoint restored from; a restore(None) fails the assertion ``what``."""
         if self._opened is None:
             raise RestoreAssertionError(
                 f"{what} failed: nothing was restored (restore(None) starts from scratch and matches nothing)."
             )
+        return str(self._opened.path)
 
     def assert_consumed(self) -> RestoreStatus:
         """Every checkpoint value matched an object, and every object got a value."""
-        self._require_restore("assert_consumed")
+        source = self._require_restore("assert_consumed")
         unused, missing = self.unused_keys, self.missing_keys
         if unused or missing or self._loaded_twice:
-            parts = [f"Restore from {str(self._opened.path)!r} did not match one to one."]
+            parts = [f"Restore from {source!r} did not match one to one."]
             if unused:
                 parts.append(f"  {len(unused)} checkpoint value(s) found no object:\n{summarize(unused)}")
             if missing:
@@ -125,12 +129,12 @@ class RestoreStatus:
 
     def assert_existing_objects_matched(self) -> RestoreStatus:
         """Every object present now got a value (unused checkpoint values are fine)."""
-        self._require_restore("assert_existing_objects_matched")
+        source = self._require_restore("assert_existing_objects_matched")
         if self._loaded_twice:
-            raise RestoreAssertionError(f"Restore from {str(self._opened.path)!r}:\n{self._twice_text()}")
+            raise RestoreAssertionError(f"Restore from {source!r}:\n{self._twice_text()}")
         if self._missing:
             raise RestoreAssertionError(
-                f"Restore from {str(self._opened.path)!r}: {len(self._missing)} object(s) found no value "
+                f"Restore from {source!r}: {len(self._missing)} object(s) found no value "
                 f"in the checkpoint:\n{summarize(self.missing_keys)}"
             )
         return self
@@ -144,9 +148,9 @@ class RestoreStatus:
 
     def assert_nontrivial_match(self) -> RestoreStatus:
         """At least one value was restored."""
-        self._require_restore("assert_nontrivial_match")
+        source = self._require_restore("assert_nontrivial_match")
         if not self._used:
-            raise RestoreAssertionError(f"Restore from {str(self._opened.path)!r} matched no object at all.")
+            raise RestoreAssertionError(f"Restore from {source!r} matched no object at all.")
         return self
 
     def expect_partial(self) -> RestoreStatus:
@@ -209,19 +213,21 @@ class _Mapped:
     def _leaf(self, key: str, value: Any) -> Leaf:
         if value is None:
             return ValueLeaf("none", None)
-        if type(value) in SCALAR_TYPES.values():
-            return ValueLeaf(type(value).__name__, value)
+        kind = scalar_type(value)
+        if kind is not None:
+            return ValueLeaf(kind, value)
         impl = None
         if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             impl, value = str(jax.random.key_impl(value)), jax.random.key_data(value)  # stored as key data
         data = np.asarray(value)
         self._values[key] = data
-        return ArrayLeaf(data.dtype, data.shape, _format.NUMPY, _format.InForeign(key), impl)
+        return ArrayLeaf(data.dtype, data.shape, NUMPY, InForeign(key), impl)
 
     def entries(self) -> list[_formats.Entry]:
         return self._entries
 
     def read(self, key: str, leaf: ArrayLeaf) -> np.ndarray:
+        assert isinstance(leaf.at, InForeign)  # every leaf here is made by _leaf
         return self._values[leaf.at.ref]
 
 
@@ -299,7 +305,7 @@ def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:
         if isinstance(leaf, ValueLeaf):
             out.append((key, ()))
         else:
-            out.append((key, leaf.shape[:-1] if leaf.prng_impl else leaf.shape))
+            out.append((key, leaf.value_shape))
     return sorted(out)
 
 

@@ -19,6 +19,7 @@ from jaxckpt._format import (
     NUMPY,
     NUMPY_SCALAR,
     ArrayLeaf,
+    Container,
     InArray,
     Index,
     InPack,
@@ -56,6 +57,7 @@ def _array_leaf(key: str, x: Any) -> tuple[ArrayLeaf, Any]:
     """The record of an array leaf (its location filled in later) and the data to store."""
     impl = None
     sharding = None
+    container: Container
     if isinstance(x, jax.Array):
         container = JAX
         sharding = describe_sharding(x)
@@ -137,7 +139,7 @@ class _Packer:
         offset = -(-self.sizes[-1] // _tensorstore.PACK_ALIGN) * _tensorstore.PACK_ALIGN
         self.packs[-1].append((offset, raw))
         self.sizes[-1] = offset + raw.size
-        return InPack(len(self.packs) - 1, offset, raw.size, zlib.crc32(raw))
+        return InPack(len(self.packs) - 1, offset, raw.size, zlib.crc32(raw.data))
 
     def hand_over(self, writer: _tensorstore.Writer, *, last: bool) -> None:
         """Give the writer every complete pack (and the last one too if ``last``: the next leaf then
@@ -153,7 +155,8 @@ class _Packer:
 
 
 def _on_cpu(x: jax.Array) -> bool:
-    return all(d.platform == "cpu" for d in x.sharding.device_set)
+    # jax's Device is an alias of jaxlib's extension type, which has no stubs: mypy sees no attributes.
+    return all(d.platform == "cpu" for d in x.sharding.device_set)  # type: ignore[attr-defined]
 
 
 def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxckpt._errors import MismatchError, UnsupportedValueError
-from jaxckpt._format import NUMPY_SCALAR, SCALAR_TYPES, ArrayLeaf, Leaf, ValueLeaf
+from jaxckpt._format import NUMPY_SCALAR, ArrayLeaf, Leaf, ValueLeaf, scalar_type
 from jaxckpt._tree import describe, is_state_object
 
 NO_TEMPLATE = object()
@@ -29,7 +29,7 @@ def held_text(leaf: Leaf) -> str:
             leaf.type, f"a Python {leaf.type} ({leaf.value!r})"
         )
     if leaf.prng_impl:
-        return f"a PRNG key array ({leaf.prng_impl}) of shape {leaf.shape[: len(leaf.shape) - 1]}"
+        return f"a PRNG key array ({leaf.prng_impl}) of shape {leaf.value_shape}"
     return f"a {leaf.dtype.name} array of shape {leaf.shape}"
 
 
@@ -76,12 +76,11 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
             raise _mismatch(key, leaf, template)
         return
     if isinstance(template, (bool, int, float, str)):
-        want = type(template).__name__ if type(template).__name__ in SCALAR_TYPES else None
+        want = scalar_type(template)
         if isinstance(leaf, ValueLeaf) and leaf.type == want:
             return
-        if isinstance(leaf, ArrayLeaf) and leaf.shape == () and not leaf.prng_impl and want != "str":
-            kinds = {"bool": "b", "int": "biu", "float": "biuf"}[want]
-            if leaf.dtype.kind in kinds:
+        if isinstance(leaf, ArrayLeaf) and leaf.shape == () and not leaf.prng_impl and want in _SCALAR_FROM:
+            if leaf.dtype.kind in _SCALAR_FROM[want]:
                 return
         raise _mismatch(key, leaf, template)
     if not _is_array_template(template):
@@ -102,7 +101,7 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
         raise _mismatch(key, leaf, template)
     if is_key:
         impl = _key_impl(template)
-        if impl != leaf.prng_impl or tuple(template.shape) != leaf.shape[:-1]:
+        if impl != leaf.prng_impl or tuple(template.shape) != leaf.value_shape:
             raise _mismatch(key, leaf, template)
         return
     if tuple(template.shape) != leaf.shape:
@@ -113,6 +112,10 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
         raise _mismatch(
             key, leaf, template, " jaxckpt casts float to float and int to int on restore, never across kinds."
         )
+
+
+# The numpy dtype kinds of a stored 0-d array that restores into a Python scalar of each type.
+_SCALAR_FROM: dict[str | None, str] = {"bool": "b", "int": "biu", "float": "biuf"}
 
 
 def _kind(dtype: Any) -> str | None:
@@ -200,11 +203,16 @@ def restored_value(leaf: Leaf, template: Any, data: Any) -> Any:
         if is_state_object(template):
             template.set_state(value)
             return template
-        data = np.asarray(value, dtype=template.dtype)
+        return _as_array_template(template, np.asarray(value, dtype=template.dtype), None)
     if template is NO_TEMPLATE:
         if leaf.prng_impl:
-            return jax.random.wrap_key_data(np.asarray(data), impl=leaf.prng_impl)
+            return _wrap_keys(data, leaf.prng_impl)
         return data[()] if leaf.container == NUMPY_SCALAR else data
+    return _as_array_template(template, data, leaf.prng_impl)
+
+
+def _as_array_template(template: Any, data: Any, prng_impl: str | None) -> Any:
+    """Array ``data`` (key data if ``prng_impl``) as an array or scalar template wants."""
     if isinstance(template, (bool, int, float)):
         return type(template)(np.asarray(data).item())
     if isinstance(template, np.generic):
@@ -212,9 +220,13 @@ def restored_value(leaf: Leaf, template: Any, data: Any) -> Any:
     if isinstance(template, np.ndarray):
         return np.asarray(data)
     sharding = target_sharding(template)
-    if isinstance(leaf, ArrayLeaf) and leaf.prng_impl:
-        keys = jax.random.wrap_key_data(np.asarray(data), impl=leaf.prng_impl)
-        return jax.device_put(keys, sharding)
+    if prng_impl:
+        return jax.device_put(_wrap_keys(data, prng_impl), sharding)
     if isinstance(data, jax.Array):
         return data
     return jax.device_put(np.asarray(data), sharding)
+
+
+def _wrap_keys(data: Any, impl: str) -> jax.Array:
+    # jax's stub asks for a jax.Array; any array-like works, and host numpy is placed by the caller.
+    return jax.random.wrap_key_data(np.asarray(data), impl=impl)  # type: ignore[arg-type]

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import errno
 import math
-from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
 
 from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, JaxckptError, StorageError
+from jaxckpt._in_flight import WRITE_AHEAD_BYTES, InFlight, Pending
 from jaxckpt._tree import describe
 
 # Leaves up to this many bytes are packed; larger ones get a zarr3 array of their own.
@@ -42,8 +42,6 @@ PACK_TARGET_BYTES = 256 << 20
 # Chunks of a large array are its shards, split until each is at most this size: small enough that
 # TensorStore checks and copies several at once on different cores, large enough to stay few.
 ARRAY_CHUNK_LIMIT = 8 << 20
-# Bytes of writes started but not yet durable.
-WRITE_AHEAD_BYTES = 256 << 20
 # Byte alignment of buffers we read into, and of leaves inside a pack: on CPU, jax aliases a
 # 64-byte-aligned host buffer instead of copying it.
 ALIGN = 64
@@ -203,34 +201,6 @@ def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> li
     return chunks
 
 
-class InFlight:
-    """Operations started but not finished, and their bytes: :meth:`add` waits for the oldest while
-    more than ``limit`` bytes are in flight. TensorStore holds each chunk's encoded bytes until a
-    write is durable (or a read is copied out), so starting every operation at once would hold a
-    checkpoint twice over."""
-
-    def __init__(self, limit: int, settle: Any = lambda op: op.result()) -> None:
-        self._limit, self._settle = limit, settle
-        self._ops: deque[tuple[int, Any]] = deque()
-        self._bytes = 0
-
-    def add(self, nbytes: int, op: Any) -> None:
-        self._ops.append((nbytes, op))
-        self._bytes += nbytes
-        while self._bytes > self._limit and len(self._ops) > 1:
-            size, done = self._ops.popleft()
-            self._bytes -= size
-            self._settle(done)
-
-    def drain(self) -> None:
-        """Wait for every operation still in flight."""
-        while self._ops:
-            self._settle(self._ops.popleft()[1])
-
-    def pending(self) -> list[Any]:
-        return [op for _, op in self._ops]
-
-
 class Writer:
     """Writes the arrays and packs of one checkpoint into the OCDBT database at kvstore ``base``.
 
@@ -290,9 +260,10 @@ class Writer:
         except BaseException as e:
             # Let every started write settle before the caller removes the folder: one still running
             # would create files in it again (a full disk fails some writes, not all at once).
-            for future in [*opens, *in_flight.pending()]:
+            started: list[Pending] = [*opens, *in_flight.pending()]
+            for op in started:
                 try:
-                    future.result()
+                    op.result()
                 except Exception:
                     pass
             if isinstance(e, Exception) and status_code(e) is not None:
@@ -327,7 +298,7 @@ def _check_open(key: str, path: str, store: ts.TensorStore, shape: Sequence[int]
         )
     # Version 1 indexes do not record chunk shapes: a chunk (read whole) must at least fit the array.
     chunks = store.chunk_layout.read_chunk.shape or ()  # None for a rank-0 array
-    if len(chunks) != len(shape) or any(c > max(1, n) for c, n in zip(chunks, shape)):
+    if len(chunks) != len(shape) or any(c is None or c > max(1, n) for c, n in zip(chunks, shape)):
         raise CheckpointCorruptedError(
             f"The stored array of {describe(key) if key else repr(path)} (array {path!r}) claims chunks of shape "
             f"{chunks}, larger than its shape {tuple(shape)}: its zarr.json is damaged or crafted."
@@ -370,11 +341,13 @@ class Reader:
 
     def read_regions(
         self, key: str, path: str, store: ts.TensorStore, regions: Sequence[tuple[slice, ...]]
-    ) -> list[Any]:
-        """Starts reading each region into a fresh aligned buffer; resolve each with :func:`resolve`."""
+    ) -> list[PendingRead]:
+        """Starts reading each region into a fresh aligned buffer."""
         return [_read_into(key, path, store[region]) for region in regions]
 
-    def read_pack_spans(self, path: str, nbytes: int, chunk: int | None, spans: Sequence[tuple[int, int]]) -> list[Any]:
+    def read_pack_spans(
+        self, path: str, nbytes: int, chunk: int | None, spans: Sequence[tuple[int, int]]
+    ) -> list[PendingRead]:
         """Starts reading byte spans (start, stop) of the pack at ``path`` (``chunk``: bytes per chunk, if known)."""
         try:
             store = self._open(path, _metadata([nbytes], "uint8", None if chunk is None else [chunk], False)).result()
@@ -397,19 +370,27 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _read_into(key: str, path: str, source: ts.TensorStore) -> tuple[str, str, Any, np.ndarray]:
+class PendingRead(NamedTuple):
+    """A read started by :class:`Reader` into ``buffer``: of the array at ``path``, which holds the
+    value of ``key`` ("" for a pack), named by them if it fails."""
+
+    key: str
+    path: str
+    copy: ts.WriteFutures  # TensorStore's copy of the stored data into ``buffer``
+    buffer: np.ndarray
+
+    def result(self) -> np.ndarray:
+        """The data, once read; a failure as jaxckpt's error (see :func:`failure`)."""
+        try:
+            self.copy.result()
+        except Exception as e:
+            raise failure(_name(self.key, self.path), e) from e
+        return self.buffer
+
+
+def _read_into(key: str, path: str, source: ts.TensorStore) -> PendingRead:
     buffer = aligned_empty(source.shape, source.dtype.numpy_dtype)
-    return key, path, ts.array(buffer).write(source), buffer
-
-
-def resolve(pending: Any) -> np.ndarray:
-    """The data of a read started by :class:`Reader` (or of an object with ``result()``)."""
-    key, path, future, *buffer = pending
-    try:
-        result = future.result()
-    except Exception as e:
-        raise failure(_name(key, path), e) from e
-    return buffer[0] if buffer else result
+    return PendingRead(key, path, ts.array(buffer).write(source), buffer)
 
 
 # --- foreign arrays: zarr arrays that another library wrote (jaxckpt._formats) ---------------------

@@ -26,30 +26,40 @@ restores into any other:
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, Literal, NamedTuple, TypeGuard
 
 import jax
 import numpy as np
 
 from jaxckpt._errors import MismatchError, MissingKeyError, UnsupportedValueError
 
+# A path as users give it (jaxckpt's calls take either).
+PathLike = str | os.PathLike[str]
+
 # Node kinds as written in the index.
-DICT = "dict"
-LIST = "list"
-TUPLE = "tuple"
-NAMEDTUPLE = "namedtuple"
-NODE = "node"  # any other registered pytree node: dataclass, flax.struct, optax state, FrozenDict...
-NNX = "nnx"
-CHECKPOINT = "checkpoint"
-NODE_KINDS = frozenset({DICT, LIST, TUPLE, NAMEDTUPLE, NODE, NNX, CHECKPOINT})
+NodeKind = Literal["dict", "list", "tuple", "namedtuple", "node", "nnx", "checkpoint"]
+DICT: Final = "dict"
+LIST: Final = "list"
+TUPLE: Final = "tuple"
+NAMEDTUPLE: Final = "namedtuple"
+NODE: Final = "node"  # any other registered pytree node: dataclass, flax.struct, optax state, FrozenDict...
+NNX: Final = "nnx"
+CHECKPOINT: Final = "checkpoint"
+NODE_KINDS: frozenset[str] = frozenset({DICT, LIST, TUPLE, NAMEDTUPLE, NODE, NNX, CHECKPOINT})
+
+
+def is_node_kind(text: str) -> TypeGuard[NodeKind]:
+    return text in NODE_KINDS
 
 
 class NodeInfo(NamedTuple):
     """A container in the graph: its kind, class name (informational) and child keys in order."""
 
-    kind: str
+    kind: NodeKind
     cls: str
     keys: tuple[str | int, ...]
 
@@ -112,7 +122,7 @@ def is_state_object(x: Any) -> bool:
     return callable(getattr(type(x), "get_state", None)) and callable(getattr(type(x), "set_state", None))
 
 
-def _nnx():
+def _nnx() -> types.ModuleType | None:
     """The ``flax.nnx`` module if it has been imported; an NNX object cannot exist otherwise."""
     return sys.modules.get("flax.nnx")
 
@@ -231,7 +241,8 @@ def _decompose_registered(x: Any, prefix: str) -> _Node | None:
         pairs, treedef = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
     except TypeError as e:  # e.g. a dict subclass whose keys cannot be sorted
         raise UnsupportedValueError(f"Cannot flatten the {type(x).__name__} at {describe(prefix)}: {e}") from e
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+    # jax's PyTreeDef is an alias of jaxlib's extension type, which has no stubs: mypy sees no attributes.
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
         return None  # JAX sees a leaf
     keys: list[str | int] = []
     for path, _ in pairs:
@@ -245,13 +256,14 @@ def _decompose_registered(x: Any, prefix: str) -> _Node | None:
         else:  # FlattenedIndexKey and custom key types
             keys.append(getattr(entry, "key", str(entry)))
     _check_dict_keys(keys, prefix)
-    kind = NAMEDTUPLE if isinstance(x, tuple) and hasattr(x, "_fields") else NODE
+    kind: NodeKind = NAMEDTUPLE if isinstance(x, tuple) and hasattr(x, "_fields") else NODE
     cls = type(x).__qualname__ if kind == NAMEDTUPLE else _class_name(x)
-    return _Node(NodeInfo(kind, cls, tuple(keys)), [v for _, v in pairs], treedef.unflatten)
+    return _Node(NodeInfo(kind, cls, tuple(keys)), [v for _, v in pairs], treedef.unflatten)  # type: ignore[attr-defined]
 
 
 def _decompose_nnx(x: Any, prefix: str) -> _Node:
     nnx = _nnx()
+    assert nnx is not None  # x is an NNX node, so flax.nnx is imported
     try:
         pure = nnx.to_pure_dict(nnx.state(x))
     except Exception as e:

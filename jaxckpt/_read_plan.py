@@ -1,0 +1,111 @@
+"""What a read of jaxckpt's checkpoint asks of its data stores: the parts of a region of an array
+(which data store holds each, and where it goes), the byte spans of a pack that its wanted leaves
+need, and the C-order pieces in which a large array is handed on. Geometry only: the reads
+themselves are :mod:`jaxckpt._tensorstore`'s, started by :class:`jaxckpt._reader.Opened`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxckpt import _tensorstore
+from jaxckpt._format import DATA_DIR, InArray, pieces
+from jaxckpt._in_flight import Pending
+
+# Byte gaps up to this size between wanted pack spans are read through rather than split.
+SPAN_GAP = 1 << 20
+
+Region = tuple[slice, ...]  # a region of an array, as numpy indexes it
+RegionKey = tuple[tuple[Any, Any, Any], ...]  # a region as a dict key (slices are not hashable)
+
+
+def region_key(index: Region) -> RegionKey:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+class Part(NamedTuple):
+    """The part of a region that one data store holds."""
+
+    store: str
+    source: Region  # the part, in the array's coordinates
+    into: Region | None  # where it goes in the region read; None: it is the whole region
+
+
+class RegionPlan(NamedTuple):
+    """A region of an array to read: its shape, and its parts."""
+
+    shape: tuple[int, ...]
+    parts: list[Part]
+
+
+def plan_region(at: InArray, shape: tuple[int, ...], index: Region) -> RegionPlan:
+    """The parts of region ``index`` of the array stored ``at`` (of ``shape``): one, when one data
+    store holds all of it."""
+    want = [(lo, hi) for lo, hi, _ in (s.indices(n) for s, n in zip(index, shape))]
+    region_shape = tuple(hi - lo for lo, hi in want)
+    if at.regions is None and at.layout is None:
+        return RegionPlan(region_shape, [Part(DATA_DIR, index, None)])
+    return RegionPlan(
+        region_shape,
+        [
+            Part(
+                store,
+                tuple(slice(lo, hi) for lo, hi in box),
+                tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(box, want)),
+            )
+            for store, box in pieces(at, shape, want)
+        ],
+    )
+
+
+def stores_in(plans: Iterable[RegionPlan]) -> set[str]:
+    """The data stores that reading these regions opens."""
+    return {part.store for plan in plans for part in plan.parts}
+
+
+def pack_spans(leaves: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte spans (start, stop) of a pack to read for leaves at (offset, nbytes), sorted by
+    offset: one span for leaves closer together than :data:`SPAN_GAP`."""
+    spans: list[list[int]] = []
+    for offset, nbytes in leaves:
+        if spans and offset - spans[-1][1] <= SPAN_GAP:
+            spans[-1][1] = max(spans[-1][1], offset + nbytes)
+        else:
+            spans.append([offset, offset + nbytes])
+    return [(start, stop) for start, stop in spans]
+
+
+def c_order_pieces(shape: tuple[int, ...], itemsize: int, budget: int) -> Iterator[Region]:
+    """Regions covering ``shape`` in C order, each at most ``budget`` bytes (or one element row)."""
+    if not shape or math.prod(shape) * itemsize <= budget:
+        yield tuple(slice(0, n) for n in shape)
+        return
+    inner = math.prod(shape[1:]) * itemsize
+    if inner <= budget or len(shape) == 1:
+        rows = max(1, budget // max(1, inner))
+        for start in range(0, shape[0], rows):
+            yield (slice(start, min(start + rows, shape[0])), *(slice(0, n) for n in shape[1:]))
+        return
+    for i in range(shape[0]):
+        for rest in c_order_pieces(shape[1:], itemsize, budget):
+            yield (slice(i, i + 1), *rest)
+
+
+class Assembly:
+    """One region of an array, put together from reads of its parts in several data stores."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, parts: list[tuple[Region, Pending]]) -> None:
+        self._shape, self._dtype, self._parts = shape, dtype, parts
+        self._out: np.ndarray | None = None
+
+    def result(self) -> np.ndarray:
+        if self._out is None:  # resolved once, however often asked
+            out = _tensorstore.aligned_empty(self._shape, self._dtype)
+            for into, pending in self._parts:
+                out[into] = pending.result()
+            self._out, self._parts = out, []
+        return self._out
