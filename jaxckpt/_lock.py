@@ -85,6 +85,11 @@ class Lock:
         self._key = os.path.realpath(path)
 
     @property
+    def pid(self) -> int:
+        """The process that took the lock (a forked child has a copy of this object, not the lock)."""
+        return self._pid
+
+    @property
     def held(self) -> bool:
         return self._fd is not None and self._pid == os.getpid()
 
@@ -204,7 +209,6 @@ def acquire(directory: Path) -> Lock:
                 raise _refused(path, _read_description(fd)) from None
             if not _same_file(fd, path):
                 os.close(fd)  # its holder removed it while we waited: lock the file that has the name now
-                fd = None
                 continue
             record = {"pid": os.getpid(), "hostname": socket.gethostname(), "time": time.time(), "token": token}
             data = json.dumps(record).encode("utf-8")
@@ -212,8 +216,7 @@ def acquire(directory: Path) -> Lock:
             os.pwrite(fd, data, 0)
             os.fsync(fd)
         except BaseException:
-            if fd is not None:
-                os.close(fd)
+            os.close(fd)
             raise
         _fsync_dir(directory)  # the lock file's name survives a power cut with the rest of the directory
         lock = Lock(path, fd, token)

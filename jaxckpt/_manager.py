@@ -9,20 +9,10 @@ The directory belongs to its manager::
 
 The state file is the only source of truth for which checkpoints exist. A manager deletes only
 checkpoints that its state file lists under its own ``checkpoint_name`` (never one preserved by
-``keep_checkpoint_every_n_hours``), and refuses a directory whose state file lists another name's
-checkpoints. Complete ``ckpt-N`` checkpoints that it finds unlisted at start (``Checkpoint.save`` of
-an older jaxckpt, ``Checkpoint.write``, a copy) it adopts into the state file, as TensorFlow's
-managers leave alone what they did not record.
-
-Crash safety comes from the order of a save: the checkpoint is written and published (every byte
-durable) first, marked ``.jaxckpt-unrecorded`` inside; then the state file is replaced atomically
-(temp file, fsync, rename, fsync of the directory) to list it and drop what retention lets go (each
-dropped one marked first); only then are marks cleared and dropped checkpoints renamed away and
-deleted. A crash at any instant therefore leaves every listed checkpoint whole. What a crash can
-leave behind (staging folders ``.ckpt-N.partial-<token>``, temp state files
-``.checkpoint.tmp-<token>``, unlisted ``ckpt-N`` folders that are incomplete or marked, renamed
-ones being deleted) is removed by the next manager when it starts; names that only look alike are
-never touched.
+``keep_checkpoint_every_n_hours``). At start it takes the directory over (:mod:`jaxckpt._startup`:
+refusing another name's, adopting unlisted checkpoints, removing what crashes left); after each save
+it records the new checkpoint and applies retention in an order that a crash at any instant leaves
+every listed checkpoint whole (:mod:`jaxckpt._retention`).
 
 In a multi-process run, process 0 decides: it holds the lock, writes the state file, applies
 retention and deletes, and publishes the list it kept through jax.distributed's key-value store;
@@ -32,68 +22,27 @@ snapshot went well, and all raise together if one did not, so that the next save
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import operator
 import os
-import re
-import secrets
-import shutil
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from jaxckpt import _lock, _multihost, _save, _staging, _statefile, _storage
+from jaxckpt import _lock, _multihost, _retention, _save, _staging, _startup, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
-from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError, UnsupportedValueError
+from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError
 from jaxckpt._lock import LOCK_FILE
-from jaxckpt._policies import CheckpointInfo, KeepLatest, RetentionPolicy
+from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics
+from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 from jaxckpt._preemption import PreemptionHandler
 from jaxckpt._restore import RestoreStatus
-from jaxckpt._statefile import PREFIX as _PREFIX
-from jaxckpt._statefile import STATE_FILE, TEMP_FILE, latest_checkpoint
-from jaxckpt._statefile import read_full_state as _read_full_state
-from jaxckpt._statefile import write_state as _write_state
+from jaxckpt._statefile import STATE_FILE, latest_checkpoint
 
 __all__ = ["LOCK_FILE", "STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
 PathLike = str | os.PathLike[str]
-
-
-# --- the manager -------------------------------------------------------------------------------
-
-
-def _remove_tree(path: _storage.Location) -> None:
-    if path.local is not None:
-        # Renamed out of the way first, atomically: a crash midway through rmtree leaves a hidden
-        # leftover that the next manager removes, never a half-deleted folder under the checkpoint's
-        # name (which, with its index still there, would look complete and be adopted).
-        hidden = path.local.with_name(f".{path.local.name}{_staging.REPLACED_MARK}{secrets.token_hex(6)}")
-        os.rename(path.local, hidden)
-        _delete_renamed(hidden)
-    else:
-        _storage.delete_tree(path)
-
-
-def _delete_renamed(hidden: Path) -> None:
-    shutil.rmtree(hidden)  # raises, unlike the best-effort clean-ups: a failure is reported
-
-
-def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for name, value in (metrics or {}).items():
-        if not isinstance(name, str) or isinstance(value, (str, bytes)):
-            raise UnsupportedValueError(f"Metric {name!r}={value!r}: metrics map str names to numbers.")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise UnsupportedValueError(f"Metric {name!r}={value!r} is not a number.") from None
-        out[name] = number if math.isfinite(number) else None  # JSON has no NaN; a NaN loss is never best
-    return out
 
 
 class CheckpointManager:
@@ -159,7 +108,7 @@ class CheckpointManager:
         *,
         keep_checkpoint_every_n_hours: float | None = None,
         checkpoint_name: str = "ckpt",
-        step_counter: str | Callable[[], Any] | None = None,
+        step_counter: StepCounter | None = None,
         checkpoint_interval: int | None = None,
         save_interval_steps: int | None = None,
         init_fn: Callable[[], Any] | None = None,
@@ -169,178 +118,54 @@ class CheckpointManager:
         read_only: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if not _PREFIX.fullmatch(checkpoint_name) or checkpoint_name.startswith("."):
-            raise ValueError(f"checkpoint_name {checkpoint_name!r} must be a plain file name, like 'ckpt'.")
-        if checkpoint_interval is not None:
-            if step_counter is None:
-                raise ValueError("checkpoint_interval needs a step_counter to measure the interval with.")
-            if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int):
-                raise ValueError(f"checkpoint_interval must be an int, not {checkpoint_interval!r}.")
-        if save_interval_steps is not None and (
-            isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1
-        ):
-            raise ValueError(f"save_interval_steps must be a positive int, not {save_interval_steps!r}.")
-        if read_only and save_on_preemption:
-            raise ValueError("save_on_preemption needs a manager that saves, not one with read_only=True.")
-        if step_counter is not None and not (isinstance(step_counter, str) or callable(step_counter)):
-            raise TypeError(f"step_counter must be a child name or a callable, not {step_counter!r}.")
-        self._policies: list[RetentionPolicy] = list(policies)
-        for p in self._policies:
-            if not callable(getattr(p, "keep", None)):
-                raise TypeError(f"{p!r} is not a retention policy: it has no keep(checkpoints) method.")
-        if max_to_keep is not None:
-            self._policies.append(KeepLatest(max_to_keep))
-        if keep_checkpoint_every_n_hours is not None:
-            hours = keep_checkpoint_every_n_hours
-            if isinstance(hours, bool) or not isinstance(hours, (int, float)) or not 0 < hours < math.inf:
-                raise ValueError(f"keep_checkpoint_every_n_hours must be a positive number, not {hours!r}.")
-        self._hours = keep_checkpoint_every_n_hours
+        self._options = options = ManagerOptions.check(
+            max_to_keep=max_to_keep,
+            keep_checkpoint_every_n_hours=keep_checkpoint_every_n_hours,
+            checkpoint_name=checkpoint_name,
+            step_counter=step_counter,
+            checkpoint_interval=checkpoint_interval,
+            save_interval_steps=save_interval_steps,
+            init_fn=init_fn,
+            policies=policies,
+            async_save=async_save,
+            save_on_preemption=save_on_preemption,
+            read_only=read_only,
+            clock=clock,
+        )
         self._checkpoint = checkpoint
         self._directory = os.fspath(directory)
-        self._name = checkpoint_name
-        self._numbered = re.compile(rf"{re.escape(checkpoint_name)}-([0-9]+)")
-        self._step_counter = step_counter
-        self._interval = checkpoint_interval
         # As TF's manager: the step of the last checkpoint this manager saved or restored (None
         # before either), which checkpoint_interval counts from.
         self._last_checkpoint_step: int | None = None
-        self._every = save_interval_steps
-        self._init_fn = init_fn
-        self._clock = clock
-        self._async = async_save
+        # What a save changed before every process agreed on it, to put back if they did not.
+        self._last_before: int | None = None
+        self._counter_before = 0
+        self._pending_path: str | None = None
         self._background = Background("CheckpointManager")
         self._preemption: PreemptionHandler | None = None
-        self._read_only = read_only
         self._path = _storage.location(directory)
         # In a multi-process run, only the primary owns the directory: it holds the lock, writes the
         # state file and deletes; the others keep the same list of checkpoints in memory.
         self._primary = _multihost.is_primary()
         self._lock: _lock.Lock | None = None
-        if self._path.local is not None and not read_only:
-            self._make_directory()
         # Object stores have no atomic create-if-absent that every S3-compatible store honours, so the
         # lock guards local directories only (see the README).
-        if self._primary and self._path.local is not None and not read_only:
-            self._lock = _lock.acquire(self._path.local)
+        local = self._path.local
+        if local is not None and not read_only:
+            _startup.make_directory(local, self._directory)
+            if self._primary:
+                self._lock = _lock.acquire(local)
         # A finalizer, so that the lock goes when the manager is collected and at interpreter exit.
         self._release = weakref.finalize(self, self._lock.release if self._lock else lambda: None)
         try:
-            state = _read_full_state(self._directory)
-            infos, last_preserved = state if state is not None else (None, None)
-            # TF's rule counts hours from the last preserved checkpoint, at first from when the first
-            # manager of the directory started (a second back, as TF does), never from the future.
-            now = self._clock()
-            self._last_preserved = min(now, last_preserved if last_preserved is not None else now - 1.0)
-            if infos is None:
-                infos = []
-                if self._primary and not read_only:
-                    infos = self._adopt_empty_directory()
-            if not read_only:  # one that never deletes may read another name's checkpoints
-                self._check_names(infos)
-            if self._primary and not read_only and state is not None:
-                infos = self._adopt_unlisted(infos)
-            self._infos: list[CheckpointInfo] = infos
-            if self._primary and not read_only:
-                self._remove_leftovers()
+            # A manager that writes also checks whose directory it is, adopts and cleans up (see _startup).
+            self._infos, self._last_preserved = _startup.take_over(self._path, self._directory, options, self._primary)
             # Last, so that a manager that fails to start leaves SIGTERM alone (close() puts it back).
             if save_on_preemption:
                 self._preemption = PreemptionHandler()
         except BaseException:
             self._close(report=False)
             raise
-
-    # --- start-up ----------------------------------------------------------------------------------
-
-    def _make_directory(self) -> None:
-        try:
-            self._path.local.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError) as e:  # a file where a folder must be
-            raise CheckpointExistsError(
-                f"A CheckpointManager keeps its checkpoints in a directory, and {self._directory!r} cannot be "
-                f"one: {e.strerror} ({e.filename!r}). Choose another directory."
-            ) from None
-        except PermissionError as e:
-            raise ManagerLockedError(
-                f"Cannot create the CheckpointManager directory {self._directory!r}: {e.strerror} ({e.filename!r}). "
-                "To only restore from it, pass read_only=True; otherwise give this process write access there."
-            ) from None
-
-    def _check_names(self, infos: list[CheckpointInfo]) -> None:
-        """Refuse a directory whose state file lists another name's checkpoints: retention would delete them."""
-        others = [name for c in infos if not self._numbered.fullmatch(name := os.path.basename(c.path))]
-        if others:
-            named = re.fullmatch(r"(.+)-[0-9]+", others[-1])
-            other = f"checkpoint_name={named.group(1)!r}" if named else "another checkpoint_name"
-            raise CheckpointExistsError(
-                f"{self._directory!r} belongs to managers with {other}: its state file {STATE_FILE!r} lists "
-                f"{others[-5:]}, which a manager with checkpoint_name={self._name!r} did not save and would delete. "
-                f"Use {other} for this directory, or another directory for {self._name!r}."
-            )
-
-    def _unlisted_checkpoints(self, infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
-        """Complete ``<name>-N`` checkpoints that ``infos`` does not list and no interrupted save left.
-
-        Checkpoint.save of an older jaxckpt, Checkpoint.write, or a copy: as TensorFlow's managers
-        never delete what they do not track, a manager adopts them (by number, saved "now" unless the
-        index says when) instead of refusing or deleting them. A save of jaxckpt's own that a crash
-        interrupted before the state file listed it still has its mark (_statefile.UNRECORDED).
-        """
-        listed = {os.path.basename(c.path) for c in infos}
-        found = []
-        for name in _storage.children(self._path):
-            match = self._numbered.fullmatch(name)
-            if match is None or name in listed:
-                continue
-            folder = self._path / name
-            if not _storage.is_checkpoint(folder):
-                continue  # incomplete: _remove_leftovers removes it
-            if folder.local is not None and (folder.local / _statefile.UNRECORDED).exists():
-                continue  # an interrupted save of a manager or of Checkpoint.save: garbage
-            when = self._clock()
-            if folder.local is not None:
-                try:
-                    when = min(when, (folder.local / _storage.INDEX_FILE).stat().st_mtime)
-                except OSError:
-                    pass
-            found.append(CheckpointInfo(os.path.join(self._directory, name), int(match.group(1)), when))
-        return sorted(found, key=lambda c: c.step)
-
-    def _adopt_empty_directory(self) -> list[CheckpointInfo]:
-        """Record a state file (listing what it adopts), so that a crash during the first save leaves clear garbage."""
-        adopted = self._unlisted_checkpoints([])
-        _write_state(self._path, adopted, self._last_preserved)
-        return adopted
-
-    def _adopt_unlisted(self, infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
-        """Add the unlisted complete checkpoints to the state file: older-numbered ones first, newer ones last."""
-        adopted = self._unlisted_checkpoints(infos)
-        if not adopted:
-            return infos
-        numbers = [int(m.group(1)) for c in infos if (m := self._numbered.fullmatch(os.path.basename(c.path)))]
-        top = max(numbers, default=-1)
-        merged = [c for c in adopted if c.step <= top] + infos + [c for c in adopted if c.step > top]
-        _write_state(self._path, merged, self._last_preserved)
-        return merged
-
-    def _remove_leftovers(self) -> None:
-        """Remove what crashed saves and deletions left: never a listed checkpoint, never a user's file.
-
-        Only names that jaxckpt makes, with its tokens: temp state files (regular files only), this
-        name's staging and replaced folders, and this name's numbered folders that nothing lists.
-        """
-        listed = {os.path.basename(c.path) for c in self._infos}
-        marks = f"{re.escape(_staging.PARTIAL_MARK)}|{re.escape(_staging.REPLACED_MARK)}"  # see _staging.staging_folder and publish
-        staging = re.compile(rf"\.{re.escape(self._name)}-[0-9]+({marks})[0-9a-f]{{12}}")
-        for name in _storage.children(self._path):
-            if TEMP_FILE.fullmatch(name):
-                if self._path.local is not None:
-                    path = self._path.local / name
-                    if path.is_file() and not path.is_symlink():
-                        path.unlink(missing_ok=True)
-            elif staging.fullmatch(name) or (self._numbered.fullmatch(name) and name not in listed):
-                _storage.delete_tree(self._path / name)
-            elif name in listed:  # listed, but a crash came before its mark was dropped
-                _statefile.clear_unrecorded(self._path / name)
 
     # --- properties --------------------------------------------------------------------------------
 
@@ -354,7 +179,7 @@ class CheckpointManager:
 
     @property
     def checkpoint_interval(self) -> int | None:
-        return self._interval
+        return self._options.interval
 
     @property
     def latest_checkpoint(self) -> str | None:
@@ -380,7 +205,7 @@ class CheckpointManager:
 
     @property
     def read_only(self) -> bool:
-        return self._read_only
+        return self._options.read_only
 
     # --- saving and restoring ----------------------------------------------------------------------
 
@@ -392,19 +217,9 @@ class CheckpointManager:
             self._checkpoint.restore(latest)
             self._restored()
             return latest
-        if self._init_fn is not None:
-            self._init_fn()
+        if self._options.init_fn is not None:
+            self._options.init_fn()
         return None
-
-    def _current_step(self) -> int | None:
-        counter = self._step_counter
-        if counter is None:
-            return None
-        value = getattr(self._checkpoint, counter) if isinstance(counter, str) else counter()
-        try:
-            return operator.index(value)
-        except TypeError:
-            raise TypeError(f"The step counter {counter!r} gave {value!r}, which is not an integer step.") from None
 
     def save(
         self,
@@ -431,7 +246,7 @@ class CheckpointManager:
             step = operator.index(step)
             if checkpoint_number is not None and operator.index(checkpoint_number) != step:
                 raise ValueError(f"save(checkpoint_number={checkpoint_number}, step={step}): give one of them.")
-        if self._read_only:
+        if self._options.read_only:
             raise ManagerLockedError(
                 f"This manager of {self._directory!r} was created with read_only=True: it restores, and never saves. "
                 "Create one without read_only to save."
@@ -440,21 +255,21 @@ class CheckpointManager:
             raise ManagerLockedError(f"This manager of {self._directory!r} is closed; create a new one to save.")
         if self._lock is not None and not self._lock.held:
             raise ManagerLockedError(
-                f"This manager of {self._directory!r} was created in process {self._lock._pid}, and this is a forked "
+                f"This manager of {self._directory!r} was created in process {self._lock.pid}, and this is a forked "
                 "child of it, which does not hold its lock. Save from the parent, or create a manager here."
             )
         # Every process of a multi-process run goes through this save's agreement exactly once, even
         # when its part fails, so that no save after it waits for a process that is a save behind.
         taken = _multihost.tokens_taken()
         try:
-            prepared = self._prepare(checkpoint_number, step, force, metrics, check_interval)
+            ready = self._prepare(checkpoint_number, step, force, metrics, check_interval)
         except Exception as e:
             token = _multihost.abandon(taken, e)
             self._discard(token)
             raise
-        if prepared is None:
+        if ready is None:
             return None
-        prepared, info = prepared
+        prepared, info = ready
         try:
             _multihost.agree(prepared.token)
         except BaseException:
@@ -462,7 +277,7 @@ class CheckpointManager:
             self._last_checkpoint_step = self._last_before
             self._discard(prepared.token)
             raise
-        if self._async:
+        if self._options.async_save:
             self._background.submit(lambda: self._finish(prepared, info))
         else:
             self._finish(prepared, info)
@@ -480,27 +295,26 @@ class CheckpointManager:
         ``save_interval_steps`` says not yet."""
         self._pending_path = None
         self._background.wait()  # the previous save is recorded (or its error raised) before numbering
-        step = self._current_step() if explicit_step is None else explicit_step
+        step = self._options.read_step(self._checkpoint) if explicit_step is None else explicit_step
         if explicit_step is not None:
             checkpoint_number = explicit_step
         # Every process sees the same steps, so all skip a save alike.
         last = self._last_before = self._last_checkpoint_step
-        if not force and self._interval is not None and last is not None:
-            if step == last or (check_interval and step < last + self._interval):
-                return None
-        by_step = explicit_step is not None or self._every is not None  # Orbax's rule, not only TF's interval
-        if not force and step is not None and by_step and not self._should_save(step):
+        if not force and self._options.too_soon(step, last, check_interval):
             return None
-        recorded = _metrics(metrics)  # refuse bad metrics before anything is written
+        by_step = explicit_step is not None or self._options.every is not None  # Orbax's rule, not only TF's interval
+        if not force and step is not None and by_step and not self._options.due(step, self._infos):
+            return None
+        recorded = check_metrics(metrics)  # refuse bad metrics before anything is written
         counter = self._counter_before = self._checkpoint.save_counter
         if checkpoint_number is None:
-            taken = [int(m.group(1)) for c in self._infos if (m := self._numbered.fullmatch(os.path.basename(c.path)))]
+            taken = [n for c in self._infos if (n := self._options.number(os.path.basename(c.path))) is not None]
             number = max(counter + 1, max(taken, default=0) + 1)
         else:
             number = operator.index(checkpoint_number)
             if number < 0:
                 raise ValueError(f"checkpoint_number must be >= 0, not {number}.")
-        path = os.path.join(self._directory, f"{self._name}-{number}")
+        path = os.path.join(self._directory, f"{self._options.name}-{number}")
         if any(c.path == path for c in self._infos):
             raise CheckpointExistsError(f"{path!r} is already a kept checkpoint; checkpoint numbers must be new.")
         self._checkpoint._settle(path)  # what earlier restores left unused, as Checkpoint.save says it
@@ -512,15 +326,11 @@ class CheckpointManager:
         except BaseException:
             self._checkpoint.save_counter = counter
             raise
-        if self._interval is not None:
+        if self._options.interval is not None:
             self._last_checkpoint_step = step
-        return prepared, CheckpointInfo(path, number if step is None else step, self._clock(), recorded)
+        return prepared, CheckpointInfo(path, number if step is None else step, self._options.clock(), recorded)
 
     # --- the Orbax-style surface: checkpoints by step ---------------------------------------------
-
-    def _should_save(self, step: int) -> bool:
-        latest = self._infos[-1].step if self._infos else None
-        return (latest is None or step > latest) and step % (self._every or 1) == 0
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past
@@ -529,7 +339,7 @@ class CheckpointManager:
         self._background.settle()
         if self._preemption is not None and self._preemption.reached_preemption(step):
             return True
-        return self._should_save(operator.index(step))
+        return self._options.due(operator.index(step), self._infos)
 
     def all_steps(self) -> list[int]:
         """The steps of the kept checkpoints, oldest first (waits as ``latest_checkpoint``)."""
@@ -559,84 +369,43 @@ class CheckpointManager:
 
     def _restored(self) -> None:
         """As TF's restore_or_initialize: the interval counts from the restored step."""
-        if self._interval is not None:
-            self._last_checkpoint_step = self._current_step()
+        if self._options.interval is not None:
+            self._last_checkpoint_step = self._options.read_step(self._checkpoint)
 
     def _discard(self, token: str | None) -> None:
         """Primary: remove a staging folder that a save every process abandoned may have left."""
-        path = getattr(self, "_pending_path", None)
+        path = self._pending_path
         if token is None or path is None or not self._primary or self._path.local is None:
             return
         _staging.discard_staging(_storage.location(path), token)
 
     def _finish(self, prepared: _save.Prepared, info: CheckpointInfo) -> None:
-        """Write the checkpoint, then list it, then delete what retention lets go (in this order)."""
+        """Write the checkpoint, then list it, then delete what retention lets go (in this order: see _retention)."""
         if self._primary:
-            _statefile.mark_unrecorded(prepared.staging)  # until listed: see _unlisted_checkpoints
+            _statefile.mark_unrecorded(prepared.staging)  # until listed: see _startup's adoption
         _save.finish(prepared)
         # Written and durable: now it may be listed. If recording fails, the unlisted folder is
         # garbage that the next manager removes.
         candidates = [*self._infos, info]
         if self._primary:
-            kept, last_preserved = self._retain(candidates)
-            # Marked before the state file stops listing them, so that a crash before they are gone
-            # leaves garbage the next manager removes, not checkpoints it would adopt.
-            kept_names = {c.path for c in kept}
-            for c in candidates[:-1]:
-                if c.path not in kept_names:
-                    _statefile.mark_unrecorded(self._path / os.path.basename(c.path))
-            try:
-                _write_state(self._path, kept, last_preserved)
-            except BaseException as e:
-                _multihost.publish_kept(prepared.token, None, f"{type(e).__name__}: {e}")
-                raise
-            # The others follow process 0's decision, made with its clock and its metrics.
-            _multihost.publish_kept(prepared.token, self._rows(kept), None)
-            self._last_preserved = last_preserved
-            _statefile.clear_unrecorded(self._path / os.path.basename(info.path))
+            retained = self._retain(candidates)
+            _retention.record(self._path, candidates, retained, prepared.token)
+            self._last_preserved = retained.last_preserved
+            kept = retained.kept
         else:
-            kept = self._adopt(_multihost.kept(prepared.token), candidates)
+            published = _multihost.kept(prepared.token, self._directory)
+            kept = published if published is not None else self._retain(candidates).kept
         self._infos = kept
         if self._primary:
-            kept_paths = {c.path for c in kept}
-            for c in candidates:
-                if c.path not in kept_paths:
-                    try:
-                        _remove_tree(self._path / os.path.basename(c.path))
-                    except OSError as e:  # not listed any more, so the next manager removes it
-                        warnings.warn(f"Could not delete the old checkpoint {c.path!r}: {e}", stacklevel=2)
+            _retention.delete_dropped(self._path, candidates, kept)
         # No process is done with a save before the state file lists it: a process that reads the
         # state file next (latest_checkpoint) must not find the previous one, perhaps being deleted.
         _multihost.barrier(f"{prepared.token}/recorded")
         if self._primary:
             _multihost.forget_kept(prepared.token)  # every process has it: keep the key-value store small
 
-    @staticmethod
-    def _rows(infos: list[CheckpointInfo]) -> list[dict[str, Any]]:
-        return [
-            {
-                "prefix": os.path.basename(c.path),
-                "step": c.step,
-                "time": c.time,
-                "metrics": c.metrics,
-                "preserved": c.preserved,
-            }
-            for c in infos
-        ]
-
-    def _adopt(self, rows: list[dict[str, Any]] | None, candidates: list[CheckpointInfo]) -> list[CheckpointInfo]:
-        if rows is None:  # one process: nothing was published
-            return self._retain(candidates)[0]
-        return [
-            CheckpointInfo(
-                os.path.join(self._directory, r["prefix"]),
-                r["step"],
-                r["time"],
-                dict(r["metrics"]),
-                bool(r.get("preserved", False)),
-            )
-            for r in rows
-        ]
+    def _retain(self, candidates: list[CheckpointInfo]) -> _retention.Retained:
+        return _retention.retain(candidates, self._options.policy, self._options.hours, self._last_preserved)
 
     def wait_until_finished(self) -> None:
         """Block until the background save is done and recorded; raise its error if it failed."""
@@ -654,7 +423,7 @@ class CheckpointManager:
         if self._preemption is None:
             raise ValueError("reached_preemption needs a manager created with save_on_preemption=True.")
         if step is None:
-            step = self._current_step()
+            step = self._options.read_step(self._checkpoint)
             if step is None:
                 raise ValueError("reached_preemption needs the step: pass it, or give the manager a step_counter.")
         return self._preemption.reached_preemption(step)
@@ -678,34 +447,11 @@ class CheckpointManager:
         if not self.reached_preemption(step):
             return
         self._background.wait()
-        counted = self._step_counter is not None and self._infos  # steps in the state file are comparable
-        if not (counted and self._infos[-1].step == self._current_step()):
+        counted = self._options.step_counter is not None and self._infos  # steps in the state file are comparable
+        if not (counted and self._infos[-1].step == self._options.read_step(self._checkpoint)):
             self.save(checkpoint_number, force=True, metrics=metrics)
         self.close()  # waits for the save; raises its error instead of exiting cleanly
         raise SystemExit(exit_code)
-
-    def _retain(self, candidates: list[CheckpointInfo]) -> tuple[list[CheckpointInfo], float]:
-        """What to keep, and the new ``last_preserved_time``.
-
-        Preserved checkpoints are out of every policy's sight and always kept. Of the others (TF's
-        active set), the policies keep some and the latest is always kept; as in TensorFlow's
-        manager, each one dropped is instead preserved, oldest first, if it was saved at least
-        ``keep_checkpoint_every_n_hours`` after the last preserved one.
-        """
-        last_preserved = self._last_preserved
-        active = [c for c in candidates if not c.preserved]
-        if not self._policies:
-            return candidates, last_preserved
-        frozen = tuple(active)
-        keep = {c.path for p in self._policies for c in p.keep(frozen)} | {candidates[-1].path}
-        out = []
-        for c in candidates:
-            if c.preserved or c.path in keep:
-                out.append(c)
-            elif self._hours is not None and c.time - self._hours * 3600.0 >= last_preserved:
-                last_preserved = c.time
-                out.append(dataclasses.replace(c, preserved=True))
-        return out, last_preserved
 
     # --- lifetime ----------------------------------------------------------------------------------
 

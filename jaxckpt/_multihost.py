@@ -13,21 +13,34 @@ state file and applies retention.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from jaxckpt._errors import JaxckptError
+from jaxckpt._policies import CheckpointInfo
 
 PRIMARY = 0
 # Every process calls saves in the same order, so counters agree, as long as every process takes
 # exactly one token per save: a manager's failed save still takes its token (see abandon).
 _sequence = itertools.count()
-_taken = [0, ""]  # tokens this process has taken, and the last one
+
+
+@dataclasses.dataclass
+class _Taken:
+    """The tokens this process has taken: how many, and the last one."""
+
+    count: int = 0
+    last: str = ""
+
+
+_taken = _Taken()
 
 
 def process_index() -> int:
@@ -42,7 +55,7 @@ def is_primary() -> bool:
     return process_index() == PRIMARY
 
 
-def _client():
+def _client() -> Any:  # jax._src.distributed keeps the client untyped
     from jax._src import distributed  # the runtime's client; jax.distributed exposes no other handle
 
     client = distributed.global_state.client
@@ -73,14 +86,14 @@ def shared_token() -> str:
             token = uuid.uuid4().hex[:12]
             client.key_value_set(key, token)
         else:
-            token = client.blocking_key_value_get(key, timeout_ms())
-    _taken[:] = [_taken[0] + 1, token]
+            token = str(client.blocking_key_value_get(key, timeout_ms()))
+    _taken.count, _taken.last = _taken.count + 1, token
     return token
 
 
 def tokens_taken() -> int:
     """How many tokens this process has taken so far (to tell whether a failed save took its own)."""
-    return int(_taken[0])
+    return _taken.count
 
 
 def _report(token: str, error: BaseException | None) -> None:
@@ -114,7 +127,7 @@ def abandon(taken_before: int, error: BaseException) -> str | None:
     """
     if process_count() == 1:
         return None
-    token = shared_token() if tokens_taken() == taken_before else str(_taken[1])
+    token = shared_token() if tokens_taken() == taken_before else _taken.last
     try:
         _report(token, error)
     except Exception:  # the caller raises its own error, which says more
@@ -122,10 +135,22 @@ def abandon(taken_before: int, error: BaseException) -> str | None:
     return token
 
 
-def publish_kept(token: str, rows: list[dict[str, Any]] | None, error: str | None) -> None:
+def publish_kept(token: str, kept: Sequence[CheckpointInfo] | None, error: str | None) -> None:
     """Primary: the checkpoints it kept after the save ``token`` (the others adopt them), or its error."""
     if process_count() > 1:
+        rows = None if kept is None else [_row(c) for c in kept]
         _client().key_value_set(f"jaxckpt/kept/{token}", json.dumps({"kept": rows, "error": error}))
+
+
+def _row(c: CheckpointInfo) -> dict[str, Any]:
+    # The prefix only: every process joins it to its own spelling of the directory.
+    return {
+        "prefix": os.path.basename(c.path),
+        "step": c.step,
+        "time": c.time,
+        "metrics": dict(c.metrics),
+        "preserved": c.preserved,
+    }
 
 
 def forget_kept(token: str) -> None:
@@ -134,8 +159,9 @@ def forget_kept(token: str) -> None:
         _client().key_value_delete(f"jaxckpt/kept/{token}")
 
 
-def kept(token: str) -> list[dict[str, Any]] | None:
-    """Non-primary: the checkpoints the primary kept after the save ``token``; None with one process."""
+def kept(token: str, directory: str) -> list[CheckpointInfo] | None:
+    """Non-primary: the checkpoints the primary kept after the save ``token``, in ``directory``;
+    None with one process."""
     if process_count() == 1:
         return None
     doc = json.loads(_client().blocking_key_value_get(f"jaxckpt/kept/{token}", timeout_ms()))
@@ -144,4 +170,9 @@ def kept(token: str) -> list[dict[str, Any]] | None:
             f"Process {PRIMARY} could not record the checkpoint it saved ({doc['error']}), so the state file does "
             "not list it; every process raises this error."
         )
-    return doc["kept"]
+    return [
+        CheckpointInfo(
+            os.path.join(directory, r["prefix"]), r["step"], r["time"], dict(r["metrics"]), bool(r.get("preserved"))
+        )
+        for r in doc["kept"]
+    ]

@@ -47,17 +47,35 @@ class RetentionPolicy(Protocol):
 class _Combinable:
     """``a | b`` keeps what either keeps."""
 
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
+        raise NotImplementedError  # each policy says what it keeps
+
     def __or__(self, other: RetentionPolicy) -> KeepAny:
-        return KeepAny(self, other)  # type: ignore[arg-type]
+        return KeepAny(self, other)
 
     def __ror__(self, other: RetentionPolicy) -> KeepAny:
-        return KeepAny(other, self)  # type: ignore[arg-type]
+        return KeepAny(other, self)
 
 
-def _positive_int(name: str, value: object) -> int:
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int of at least 1 (not a bool), else a ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, not {value!r}.")
     return value
+
+
+def positive_number(name: str, value: object) -> float:
+    """``value`` if it is a finite number above 0 (not a bool), else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number, not {value!r}.")
+    return value
+
+
+def check_policy(policy: object) -> RetentionPolicy:
+    """``policy`` if it has a ``keep`` method, else a TypeError saying so."""
+    if not isinstance(policy, RetentionPolicy) or not callable(policy.keep):
+        raise TypeError(f"{policy!r} is not a retention policy: it has no keep(checkpoints) method.")
+    return policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +85,7 @@ class KeepLatest(_Combinable):
     n: int
 
     def __post_init__(self) -> None:
-        _positive_int("KeepLatest(n)", self.n)
+        positive_int("KeepLatest(n)", self.n)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
         return checkpoints[-self.n :]
@@ -91,23 +109,28 @@ class KeepEvery(_Combinable):
         if (steps is None) == (hours is None):
             raise ValueError("KeepEvery takes exactly one of steps= or hours=, e.g. KeepEvery(hours=2).")
         if steps is not None:
-            _positive_int("KeepEvery(steps=)", steps)
-        elif isinstance(hours, bool) or not isinstance(hours, (int, float)) or not 0 < hours < math.inf:
-            raise ValueError(f"KeepEvery(hours=) must be a positive number, not {hours!r}.")
+            positive_int("KeepEvery(steps=)", steps)
+        else:
+            positive_number("KeepEvery(hours=)", hours)
         object.__setattr__(self, "steps", steps)
         object.__setattr__(self, "hours", hours)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
         first: dict[int, CheckpointInfo] = {}
         for c in checkpoints:
-            if self.steps is not None:
-                window, order = c.step // self.steps, c.step
-            else:
-                window, order = math.floor(c.time / (self.hours * 3600)), c.time  # type: ignore[operator]
+            window, order = self._place(c)
             held = first.get(window)
-            if held is None or order < (held.step if self.steps is not None else held.time):
+            if held is None or order < self._place(held)[1]:
                 first[window] = c
         return first.values()
+
+    def _place(self, c: CheckpointInfo) -> tuple[int, float]:
+        """The window ``c`` falls in, and its order within it."""
+        if self.steps is not None:
+            return c.step // self.steps, c.step
+        if self.hours is not None:
+            return math.floor(c.time / (self.hours * 3600)), c.time
+        raise AssertionError("KeepEvery holds steps or hours")  # __init__ sees to it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,14 +148,15 @@ class KeepBest(_Combinable):
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
-        _positive_int("KeepBest(n)", self.n)
+        positive_int("KeepBest(n)", self.n)
         if self.mode not in ("min", "max"):
             raise ValueError(f"KeepBest(mode=) must be 'min' or 'max', not {self.mode!r}.")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
-        scored = [c for c in checkpoints if isinstance(c.metrics.get(self.metric), (int, float))]
+        scored = [(value, c) for c in checkpoints if isinstance(value := c.metrics.get(self.metric), (int, float))]
         sign = 1.0 if self.mode == "min" else -1.0
-        return sorted(scored, key=lambda c: sign * c.metrics[self.metric])[: self.n]  # type: ignore[operator]
+        # sorted is stable: of equal values, the older checkpoint comes first.
+        return [c for _, c in sorted(scored, key=lambda scored_c: sign * scored_c[0])][: self.n]
 
 
 class KeepAny(_Combinable):
@@ -140,8 +164,7 @@ class KeepAny(_Combinable):
 
     def __init__(self, *policies: RetentionPolicy) -> None:
         for p in policies:
-            if not callable(getattr(p, "keep", None)):
-                raise TypeError(f"{p!r} is not a retention policy: it has no keep(checkpoints) method.")
+            check_policy(p)
         # Flatten nested KeepAny so that a | b | c reads back as one flat list.
         self.policies: tuple[RetentionPolicy, ...] = tuple(
             q for p in policies for q in (p.policies if isinstance(p, KeepAny) else (p,))

@@ -150,7 +150,7 @@ def _pair(old: list[_Slot], new: list[_Slot]) -> tuple[dict[str, _Slot], dict[st
     for s in old_left:
         left_by_name[s.name].append(s.key)
     known = {s.name for s in old}
-    new_count = defaultdict(int)
+    new_count: dict[str, int] = defaultdict(int)
     for s in new:
         new_count[s.name] += 1
     for s in new_left:

@@ -34,8 +34,7 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from jaxckpt import _storage
 from jaxckpt._errors import CheckpointFormatError, UnsupportedVersionError
@@ -55,14 +54,14 @@ UNRECORDED = ".jaxckpt-unrecorded"
 LATEST_TIME = 253402300800.0  # 10000-01-01T00:00:00Z: datetime cannot show a later time
 
 
-def _bad_state(where: Path, why: str) -> CheckpointFormatError:
+def _bad_state(where: _storage.Location, why: str) -> CheckpointFormatError:
     return CheckpointFormatError(
         f"{str(where)!r} is not a valid jaxckpt manager state file: {why}. The checkpoints beside it are "
         "untouched; fix or remove the state file (removing it forgets every checkpoint it listed)."
     )
 
 
-def _is_number(x: Any) -> bool:
+def _is_number(x: object) -> TypeGuard[int | float]:
     """A finite JSON number that fits a float (a 400-digit integer does not)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return False
@@ -72,7 +71,7 @@ def _is_number(x: Any) -> bool:
         return False
 
 
-def _parse_entry(raw: Any, where: Path, directory: str) -> CheckpointInfo:
+def _parse_entry(raw: object, where: _storage.Location, directory: str) -> CheckpointInfo:
     if not isinstance(raw, dict):
         raise _bad_state(where, f"a checkpoint entry must be an object, not {raw!r}")
     prefix, step, when, metrics, preserved = (raw.get(k) for k in ("prefix", "step", "time", "metrics", "preserved"))

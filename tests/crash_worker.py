@@ -71,7 +71,7 @@ def _die() -> None:
 
 def install_hook(hook: str, at: int, rng: random.Random) -> None:
     """Make the process kill itself at the ``at``-th arrival at the instant ``hook`` names."""
-    from jaxckpt import _manager, _storage
+    from jaxckpt import _manager, _retention, _storage
 
     seen = {"n": 0}
 
@@ -80,7 +80,7 @@ def install_hook(hook: str, at: int, rng: random.Random) -> None:
         return seen["n"] == at
 
     if hook == "retention":
-        real_delete = _manager._delete_renamed
+        real_delete = _retention._delete_renamed
 
         def delete_part_then_die(hidden):  # the dropped checkpoint, already renamed out of the way
             if arrived():
@@ -90,7 +90,7 @@ def install_hook(hook: str, at: int, rng: random.Random) -> None:
                 _die()
             real_delete(hidden)
 
-        _manager._delete_renamed = delete_part_then_die
+        _retention._delete_renamed = delete_part_then_die
         return
 
     real_write, real_fsync_dir = _storage.write_durable, _storage.fsync_dir

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _manager
+from jaxckpt import _retention
 from jaxckpt._policies import CheckpointInfo
 
 
@@ -346,7 +346,7 @@ def test_crash_between_state_update_and_deletion(tmp_path, monkeypatch):
     def crash(path):
         raise Crash(path)
 
-    monkeypatch.setattr(_manager, "_remove_tree", crash)
+    monkeypatch.setattr(_retention, "_remove_tree", crash)
     with pytest.raises(Crash):
         manager.save()
     monkeypatch.undo()
@@ -365,7 +365,7 @@ def test_failed_deletion_warns_and_keeps_going(tmp_path, monkeypatch):
     def refuse(path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(_manager, "_remove_tree", refuse)
+    monkeypatch.setattr(_retention, "_remove_tree", refuse)
     with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=1, async_save=False) as manager:
         manager.save()
         with pytest.warns(UserWarning, match="ckpt-1"):

@@ -1,0 +1,154 @@
+"""A manager taking over its directory at start: whose it is, what it adopts, what crashes left.
+
+A manager refuses a directory whose state file lists another ``checkpoint_name``'s checkpoints (it
+would delete them). Complete ``<name>-N`` checkpoints that it finds unlisted (``Checkpoint.save`` of
+an older jaxckpt, ``Checkpoint.write``, a copy) it adopts into the state file, as TensorFlow's
+managers leave alone what they did not record. What a crash can leave behind (staging folders
+``.ckpt-N.partial-<token>``, temp state files ``.checkpoint.tmp-<token>``, unlisted ``ckpt-N``
+folders that are incomplete or marked, renamed ones being deleted) it removes; names that only
+look alike are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from jaxckpt import _staging, _statefile, _storage
+from jaxckpt._errors import CheckpointExistsError, ManagerLockedError
+from jaxckpt._manager_options import ManagerOptions
+from jaxckpt._policies import CheckpointInfo
+
+
+def make_directory(local: Path, directory: str) -> None:
+    """Create the local ``directory`` (at ``local``) if it does not exist, with errors that say what to do."""
+    try:
+        local.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:  # a file where a folder must be
+        raise CheckpointExistsError(
+            f"A CheckpointManager keeps its checkpoints in a directory, and {directory!r} cannot be "
+            f"one: {e.strerror} ({e.filename!r}). Choose another directory."
+        ) from None
+    except PermissionError as e:
+        raise ManagerLockedError(
+            f"Cannot create the CheckpointManager directory {directory!r}: {e.strerror} ({e.filename!r}). "
+            "To only restore from it, pass read_only=True; otherwise give this process write access there."
+        ) from None
+
+
+def check_names(directory: str, infos: list[CheckpointInfo], options: ManagerOptions) -> None:
+    """Refuse a directory whose state file lists another name's checkpoints: retention would delete them."""
+    others = [name for c in infos if options.number(name := os.path.basename(c.path)) is None]
+    if others:
+        named = re.fullmatch(r"(.+)-[0-9]+", others[-1])
+        other = f"checkpoint_name={named.group(1)!r}" if named else "another checkpoint_name"
+        name = options.name
+        raise CheckpointExistsError(
+            f"{directory!r} belongs to managers with {other}: its state file {_statefile.STATE_FILE!r} lists "
+            f"{others[-5:]}, which a manager with checkpoint_name={name!r} did not save and would delete. "
+            f"Use {other} for this directory, or another directory for {name!r}."
+        )
+
+
+def _unlisted_checkpoints(
+    folder: _storage.Location, directory: str, infos: list[CheckpointInfo], options: ManagerOptions
+) -> list[CheckpointInfo]:
+    """Complete ``<name>-N`` checkpoints that ``infos`` does not list and no interrupted save left.
+
+    Checkpoint.save of an older jaxckpt, Checkpoint.write, or a copy: as TensorFlow's managers
+    never delete what they do not track, a manager adopts them (by number, saved "now" unless the
+    index says when) instead of refusing or deleting them. A save of jaxckpt's own that a crash
+    interrupted before the state file listed it still has its mark (_statefile.UNRECORDED).
+    """
+    listed = {os.path.basename(c.path) for c in infos}
+    found = []
+    for name in _storage.children(folder):
+        number = options.number(name)
+        if number is None or name in listed:
+            continue
+        checkpoint = folder / name
+        if not _storage.is_checkpoint(checkpoint):
+            continue  # incomplete: remove_leftovers removes it
+        if checkpoint.local is not None and (checkpoint.local / _statefile.UNRECORDED).exists():
+            continue  # an interrupted save of a manager or of Checkpoint.save: garbage
+        when = options.clock()
+        if checkpoint.local is not None:
+            try:
+                when = min(when, (checkpoint.local / _storage.INDEX_FILE).stat().st_mtime)
+            except OSError:
+                pass
+        found.append(CheckpointInfo(os.path.join(directory, name), number, when))
+    return sorted(found, key=lambda c: c.step)
+
+
+def adopt_unlisted(
+    folder: _storage.Location,
+    directory: str,
+    infos: list[CheckpointInfo] | None,
+    options: ManagerOptions,
+    last_preserved: float,
+) -> list[CheckpointInfo]:
+    """Add the unlisted complete checkpoints to the state file: older-numbered ones first, newer ones last.
+
+    Without a state file (``infos`` None), one is written even if there is nothing to adopt, so that
+    a crash during the first save leaves clear garbage.
+    """
+    adopted = _unlisted_checkpoints(folder, directory, infos or [], options)
+    if infos is None:
+        merged = adopted
+    elif not adopted:
+        return infos
+    else:
+        numbers = [n for c in infos if (n := options.number(os.path.basename(c.path))) is not None]
+        top = max(numbers, default=-1)
+        merged = [c for c in adopted if c.step <= top] + infos + [c for c in adopted if c.step > top]
+    _statefile.write_state(folder, merged, last_preserved)
+    return merged
+
+
+class TakenOver(NamedTuple):
+    """What a manager starts with: the checkpoints listed (after adoption), and TF's ``last_preserved_time``."""
+
+    infos: list[CheckpointInfo]
+    last_preserved: float
+
+
+def take_over(folder: _storage.Location, directory: str, options: ManagerOptions, primary: bool) -> TakenOver:
+    """Read the state file of ``folder``; unless read-only, refuse another name's directory, and on the
+    primary adopt unlisted checkpoints and remove what crashes left."""
+    state = _statefile.read_full_state(directory)
+    infos, recorded = state if state is not None else (None, None)
+    # TF's rule counts hours from the last preserved checkpoint, at first from when the first
+    # manager of the directory started (a second back, as TF does), never from the future.
+    now = options.clock()
+    last_preserved = min(now, recorded if recorded is not None else now - 1.0)
+    if options.read_only:  # one that never deletes may read another name's checkpoints
+        return TakenOver(infos or [], last_preserved)
+    check_names(directory, infos or [], options)
+    if primary:
+        infos = adopt_unlisted(folder, directory, infos, options, last_preserved)
+        remove_leftovers(folder, infos, options)
+    return TakenOver(infos or [], last_preserved)
+
+
+def remove_leftovers(folder: _storage.Location, infos: list[CheckpointInfo], options: ManagerOptions) -> None:
+    """Remove what crashed saves and deletions left: never a listed checkpoint, never a user's file.
+
+    Only names that jaxckpt makes, with its tokens: temp state files (regular files only), this
+    name's staging and replaced folders, and this name's numbered folders that nothing lists.
+    """
+    listed = {os.path.basename(c.path) for c in infos}
+    marks = f"{re.escape(_staging.PARTIAL_MARK)}|{re.escape(_staging.REPLACED_MARK)}"  # see _staging.staging_folder and publish
+    staging = re.compile(rf"\.{re.escape(options.name)}-[0-9]+({marks})[0-9a-f]{{12}}")
+    for name in _storage.children(folder):
+        if _statefile.TEMP_FILE.fullmatch(name):
+            if folder.local is not None:
+                path = folder.local / name
+                if path.is_file() and not path.is_symlink():
+                    path.unlink(missing_ok=True)
+        elif staging.fullmatch(name) or (options.number(name) is not None and name not in listed):
+            _storage.delete_tree(folder / name)
+        elif name in listed:  # listed, but a crash came before its mark was dropped
+            _statefile.clear_unrecorded(folder / name)
