@@ -248,22 +248,22 @@ def _write(
         raise
     if recorder is None:
         if blocking:
-            return _save.finish(prepared)
-        background.submit(lambda: _save.finish(prepared))
+            return _save.write_and_publish(prepared)
+        background.submit(lambda: _save.write_and_publish(prepared))
         return os.fspath(path)
     recorder.mark(prepared.staging)
 
-    def finish_and_record() -> str:
+    def publish_and_record() -> str:
         try:
-            out = _save.finish(prepared)
+            out = _save.write_and_publish(prepared)
             recorder.record(out, step)
             return out
         finally:
             recorder.close()
 
     if blocking:
-        return finish_and_record()
-    background.submit(finish_and_record)
+        return publish_and_record()
+    background.submit(publish_and_record)
     return os.fspath(path)
 
 

@@ -23,7 +23,7 @@ from jaxckpt._errors import CheckpointExistsError
 from jaxckpt._format import SCALAR_TYPES, ArrayLeaf, ValueLeaf
 from jaxckpt._reader import Opened, open_latest
 from jaxckpt._templates import NO_TEMPLATE
-from jaxckpt._tree import build
+from jaxckpt._tree import PathLike, build
 
 # Bytes of converted arrays a jaxckpt destination holds before writing them out.
 BUDGET = 64 << 20
@@ -42,8 +42,8 @@ class Converted:
 
 
 def convert(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
+    src: PathLike,
+    dst: PathLike,
     *,
     overwrite: bool = False,
     on_read: Callable[[int], None] | None = None,
@@ -76,7 +76,7 @@ def convert(
 
 
 def _to_jaxckpt(
-    opened: Opened, dst: str | os.PathLike[str], read: Callable[[str], np.ndarray], result: Converted, overwrite: bool
+    opened: Opened, dst: PathLike, read: Callable[[str], np.ndarray], result: Converted, overwrite: bool
 ) -> None:
     values: dict[str, Any] = {}
     for key, leaf in opened.index.leaves.items():

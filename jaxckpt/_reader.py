@@ -41,7 +41,7 @@ from jaxckpt._templates import NO_TEMPLATE, cast_for, check, restored_value, tar
 from jaxckpt._tree import PathLike, describe
 
 # The arrays of one data store opened for reading: key -> TensorStore array.
-_Opened = dict[str, Any]
+_StoreArrays = dict[str, Any]
 
 
 class _ArrayRead(NamedTuple):
@@ -66,7 +66,7 @@ class Opened:
     format = "jaxckpt"  # or the foreign format's name (ForeignOpened)
     # Values listed that have no numpy form (TensorFlow's iterator state, string tensors): key -> entry
     skipped: Mapping[str, _formats.Entry] = {}
-    path: str | os.PathLike[str]  # how messages name it
+    path: PathLike  # how messages name it
 
     def __init__(self, path: PathLike) -> None:
         self.location = _storage.location(path)
@@ -313,7 +313,7 @@ class Opened:
             out[key] = [self._as_logical(leaf, p.result()) for p in pending]
         return out
 
-    def _open_for(self, key: str, leaf: ArrayLeaf, at: InArray, needed: Iterable[str]) -> dict[str, _Opened]:
+    def _open_for(self, key: str, leaf: ArrayLeaf, at: InArray, needed: Iterable[str]) -> dict[str, _StoreArrays]:
         """The array of ``key`` opened in each of the data stores ``needed``."""
         return {
             store: self._reader_of(store).open_arrays([(key, at.path, at.stored, leaf.shape, at.chunks)])
@@ -335,7 +335,7 @@ class Opened:
             plan = plan_region(at, leaf.shape, index)
             yield self._as_logical(leaf, self._start_read(key, at, stores, plan).result())
 
-    def _start_read(self, key: str, at: InArray, stores: Mapping[str, _Opened], plan: RegionPlan) -> Pending:
+    def _start_read(self, key: str, at: InArray, stores: Mapping[str, _StoreArrays], plan: RegionPlan) -> Pending:
         """Start reading a region of the array from its parts (see :func:`plan_region`): from one
         store, or assembled from the parts of several."""
         if len(plan.parts) == 1 and plan.parts[0].into is None:
