@@ -299,15 +299,7 @@ def prepare(path: PathLike, root: Any, *, overwrite: bool = False, budget: int |
     dest = _storage.location(path)
     _staging.check_writable(dest, overwrite)
     flat = flatten(root)
-    for key, x in flat.leaves.items():
-        if isinstance(x, jax.Array) and x.is_deleted():
-            raise UnsupportedValueError(
-                f"Cannot save {describe(key)}: its jax.Array was deleted (donated to a jitted function, or "
-                ".delete() was called) before the save. Save the arrays the step returned instead."
-            )
-    for x in flat.leaves.values():  # start every device-to-host copy before waiting for any
-        if isinstance(x, jax.Array) and not _on_cpu(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x.copy_to_host_async()
+    _check_live_and_copy(flat.leaves)
     me = _multihost.process_index()
     if me == 0:
         _staging.clear_for_save(dest)  # object stores: before the token lets the others write
@@ -315,72 +307,102 @@ def prepare(path: PathLike, root: Any, *, overwrite: bool = False, budget: int |
     staging = _staging.staging_folder(dest, token)
     try:
         writer = _tensorstore.Writer((staging / data_store(me)).spec())
-        packer = _Packer()
-        leaves: dict[str, Leaf] = {}
-        budget = host_memory_budget() if budget is None else budget
-        held, arrays = 0, 0
-        meshes: dict[int, tuple[Any, MeshRecord]] = {}
+        records = _Records(writer, me, host_memory_budget() if budget is None else budget)
         for key, x in flat.leaves.items():
-            fresh = isinstance(x, Deferred)
-            if fresh:  # read only now; no one else holds it, so it needs no snapshot copy
-                x = _checked_read(key, x)
-            value = _value_leaf(key, x)
-            if value is not None:
-                leaves[key] = value
-                continue
-            if isinstance(x, jax.ShapeDtypeStruct):
-                raise _unsupported(
-                    key, x, "A ShapeDtypeStruct is a restore template with no data; save a concrete array."
-                )
-            if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-                raise _unsupported(key, x)
-            record, data = _array_leaf(key, x)
-            owners = _owners(data)
-            by_process: dict[int, list[tuple[tuple[int, int], ...]]] = {}
-            for region, device in owners.items():
-                by_process.setdefault(_process_of(device), []).append(region)
-            # Every process takes the same decisions here, so array numbers agree across processes.
-            if record.nbytes <= _tensorstore.PACK_LEAF_LIMIT and set(by_process) == {0}:
-                # A jax.Array's host view is immutable; a numpy array is copied, as in _snapshot.
-                small = np.asarray(data) if isinstance(data, jax.Array) else np.array(data, copy=True)
-                at: InArray | InPack = packer.add(small) if me == 0 else InPack(0, 0, 0, 0)
-                if me == 0 and not (isinstance(data, jax.Array) and _on_cpu(data)):
-                    held += small.nbytes  # a copy, held until its pack is written
-            else:
-                regions, layout = None, None
-                if set(by_process) != {0}:  # the sharding says where its regions are, or they are listed
-                    layout = _layout(data, owners, meshes)
-                    if layout is None:
-                        regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
-                shards = [max(b - a for a, b in dims) for dims in zip(*owners)] if record.shape else []
-                chunks = tuple(_tensorstore.chunk_shape(record.shape, shards, record.dtype.itemsize))
-                at = InArray(f"a/{arrays}", _tensorstore.stored_dtype(record.dtype), regions, chunks, layout)
-                arrays += 1
-                if fresh:
-                    parts, copied = [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
-                else:
-                    parts, copied = _snapshot(data, owners) if me in by_process else ([], 0)
-                writer.add_array(at.path, record.shape, record.dtype, chunks, parts)
-                held += copied
-            leaves[key] = ArrayLeaf(record.dtype, record.shape, record.container, at, record.prng_impl, record.sharding)
-            if held > budget:  # write out what is held so far, the pack being filled included
-                packer.hand_over(writer, last=True)
-                writer.flush()
-                held = 0
-        packs = [Pack(f"p/{i}", size, _tensorstore.pack_chunk(size)) for i, size in enumerate(packer.sizes)]
+            records.add(key, x)
+        packs = [Pack(f"p/{i}", size, _tensorstore.pack_chunk(size)) for i, size in enumerate(records.packer.sizes)]
         index = Index(
             flat.nodes,
-            leaves,
+            records.leaves,
             packs,
             {"writer": f"jaxckpt {__version__}"},
-            meshes=list({id(r): r for _, r in meshes.values()}.values()),
+            meshes=list({id(r): r for _, r in records.meshes.values()}.values()),
             aliases=flat.aliases,
         )
     except BaseException:
         if me == 0:  # the others may be writing into it; a manager removes what is left
             _staging.discard(staging)
         raise
-    return Prepared(os.fspath(path), dest, staging, token, overwrite, index, writer, packer)
+    return Prepared(os.fspath(path), dest, staging, token, overwrite, index, writer, records.packer)
+
+
+def _check_live_and_copy(leaves: dict[str, Any]) -> None:
+    """Refuse deleted arrays; then start every device-to-host copy before waiting for any."""
+    for key, x in leaves.items():
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise UnsupportedValueError(
+                f"Cannot save {describe(key)}: its jax.Array was deleted (donated to a jitted function, or "
+                ".delete() was called) before the save. Save the arrays the step returned instead."
+            )
+    for x in leaves.values():
+        if isinstance(x, jax.Array) and not _on_cpu(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x.copy_to_host_async()
+
+
+class _Records:
+    """The index records of one save's leaves, made as they are met, and the data they hand over:
+    small leaves to packs, large ones to the writer as arrays of their own."""
+
+    def __init__(self, writer: _tensorstore.Writer, me: int, budget: int) -> None:
+        self.writer, self.me, self.budget = writer, me, budget
+        self.packer = _Packer()
+        self.leaves: dict[str, Leaf] = {}
+        self.meshes: dict[int, tuple[Any, MeshRecord]] = {}
+        self._held = 0  # bytes of snapshot copies not written yet
+        self._arrays = 0
+
+    def add(self, key: str, x: Any) -> None:
+        fresh = isinstance(x, Deferred)
+        if fresh:  # read only now; no one else holds it, so it needs no snapshot copy
+            x = _checked_read(key, x)
+        value = _value_leaf(key, x)
+        if value is not None:
+            self.leaves[key] = value
+            return
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise _unsupported(key, x, "A ShapeDtypeStruct is a restore template with no data; save a concrete array.")
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            raise _unsupported(key, x)
+        record, data = _array_leaf(key, x)
+        at = self._store(record, data, fresh)
+        self.leaves[key] = ArrayLeaf(
+            record.dtype, record.shape, record.container, at, record.prng_impl, record.sharding
+        )
+        if self._held > self.budget:  # write out what is held so far, the pack being filled included
+            self.packer.hand_over(self.writer, last=True)
+            self.writer.flush()
+            self._held = 0
+
+    def _store(self, record: ArrayLeaf, data: Any, fresh: bool) -> InArray | InPack:
+        """Where the array goes: a pack or an array of its own, its data handed over (this process's part)."""
+        me = self.me
+        owners = _owners(data)
+        by_process: dict[int, list[tuple[tuple[int, int], ...]]] = {}
+        for region, device in owners.items():
+            by_process.setdefault(_process_of(device), []).append(region)
+        # Every process takes the same decisions here, so array numbers agree across processes.
+        if record.nbytes <= _tensorstore.PACK_LEAF_LIMIT and set(by_process) == {0}:
+            # A jax.Array's host view is immutable; a numpy array is copied, as in _snapshot.
+            small = np.asarray(data) if isinstance(data, jax.Array) else np.array(data, copy=True)
+            if me == 0 and not (isinstance(data, jax.Array) and _on_cpu(data)):
+                self._held += small.nbytes  # a copy, held until its pack is written
+            return self.packer.add(small) if me == 0 else InPack(0, 0, 0, 0)
+        regions, layout = None, None
+        if set(by_process) != {0}:  # the sharding says where its regions are, or they are listed
+            layout = _layout(data, owners, self.meshes)
+            if layout is None:
+                regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
+        shards = [max(b - a for a, b in dims) for dims in zip(*owners)] if record.shape else []
+        chunks = tuple(_tensorstore.chunk_shape(record.shape, shards, record.dtype.itemsize))
+        at = InArray(f"a/{self._arrays}", _tensorstore.stored_dtype(record.dtype), regions, chunks, layout)
+        self._arrays += 1
+        if fresh:
+            parts, copied = [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
+        else:
+            parts, copied = _snapshot(data, owners) if me in by_process else ([], 0)
+        self.writer.add_array(at.path, record.shape, record.dtype, chunks, parts)
+        self._held += copied
+        return at
 
 
 def write_and_publish(p: Prepared) -> str:
