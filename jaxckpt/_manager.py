@@ -39,10 +39,9 @@ from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 from jaxckpt._preemption import PreemptionHandler
 from jaxckpt._restore import RestoreStatus
 from jaxckpt._statefile import STATE_FILE, latest_checkpoint
+from jaxckpt._tree import PathLike
 
 __all__ = ["LOCK_FILE", "STATE_FILE", "CheckpointManager", "latest_checkpoint"]
-
-PathLike = str | os.PathLike[str]
 
 
 class CheckpointManager:
@@ -307,13 +306,7 @@ class CheckpointManager:
             return None
         recorded = check_metrics(metrics)  # refuse bad metrics before anything is written
         counter = self._counter_before = self._checkpoint.save_counter
-        if checkpoint_number is None:
-            taken = [n for c in self._infos if (n := self._options.number(os.path.basename(c.path))) is not None]
-            number = max(counter + 1, max(taken, default=0) + 1)
-        else:
-            number = operator.index(checkpoint_number)
-            if number < 0:
-                raise ValueError(f"checkpoint_number must be >= 0, not {number}.")
+        number = self._options.next_number(checkpoint_number, counter, self._infos)
         path = os.path.join(self._directory, f"{self._options.name}-{number}")
         if any(c.path == path for c in self._infos):
             raise CheckpointExistsError(f"{path!r} is already a kept checkpoint; checkpoint numbers must be new.")

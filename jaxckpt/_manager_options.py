@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -91,6 +92,17 @@ class ManagerOptions:
         """N for a ``<name>-N`` folder name of this manager's ``checkpoint_name``; None for any other name."""
         match = re.fullmatch(rf"{re.escape(self.name)}-([0-9]+)", prefix)
         return None if match is None else int(match.group(1))
+
+    def next_number(self, checkpoint_number: int | None, counter: int, infos: Sequence[CheckpointInfo]) -> int:
+        """The number of the next checkpoint: ``checkpoint_number`` if given, else after ``counter`` (the
+        checkpoint's ``save_counter``) and after every number ``infos`` lists (a job that did not restore)."""
+        if checkpoint_number is None:
+            taken = [n for c in infos if (n := self.number(os.path.basename(c.path))) is not None]
+            return max(counter + 1, max(taken, default=0) + 1)
+        number = operator.index(checkpoint_number)
+        if number < 0:
+            raise ValueError(f"checkpoint_number must be >= 0, not {number}.")
+        return number
 
     def read_step(self, checkpoint: object) -> int | None:
         """The step counter's value now (None without a step counter)."""

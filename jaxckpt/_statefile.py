@@ -39,8 +39,8 @@ from typing import Any, TypeGuard
 from jaxckpt import _storage
 from jaxckpt._errors import CheckpointFormatError, UnsupportedVersionError
 from jaxckpt._policies import CheckpointInfo
+from jaxckpt._tree import PathLike
 
-PathLike = str | os.PathLike[str]
 STATE_FILE = "checkpoint"
 STATE_FORMAT = "jaxckpt-manager-state"
 STATE_VERSION = 1
