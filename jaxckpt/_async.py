@@ -26,7 +26,7 @@ from typing import Any
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
-_uncollected: set[Future] = set()  # failed or pending futures whose owner has not looked yet
+_uncollected: set[Future[Any]] = set()  # failed or pending futures whose owner has not looked yet
 
 
 def _worker() -> ThreadPoolExecutor:
@@ -42,7 +42,7 @@ class Background:
 
     def __init__(self, what: str) -> None:
         self._what = what
-        self._future: Future | None = None
+        self._future: Future[Any] | None = None
 
     @property
     def pending(self) -> bool:
@@ -90,7 +90,7 @@ class Background:
             raise
         self._forget(future)
 
-    def _forget(self, future: Future) -> None:
+    def _forget(self, future: Future[Any]) -> None:
         if self._future is future:
             self._future = None
         with _lock:
