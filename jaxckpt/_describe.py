@@ -124,7 +124,7 @@ def leaf_type(leaf: Leaf) -> str:
 
 def leaf_shape(leaf: ArrayLeaf) -> tuple[int, ...]:
     """The shape a user sees: for PRNG keys the key array's shape, without the key data's last axis."""
-    return leaf.shape[:-1] if leaf.prng_impl else leaf.shape
+    return leaf.value_shape
 
 
 def json_value(value: Any) -> Any:

@@ -43,9 +43,7 @@ from jaxckpt._progress import human_bytes
 from jaxckpt._reader import Opened, open_latest
 from jaxckpt._statefile import is_manager_directory
 from jaxckpt._templates import NO_TEMPLATE
-from jaxckpt._tree import build
-
-PathLike = str | os.PathLike[str]
+from jaxckpt._tree import PathLike, build
 
 # A node whose subtree holds at most this many values starts unfolded in the HTML view.
 _OPEN_LIMIT = 16
