@@ -376,7 +376,7 @@ class CheckpointManager:
         """Write the checkpoint, then list it, then delete what retention lets go (in this order: see _retention)."""
         if self._primary:
             _statefile.mark_unrecorded(prepared.staging)  # until listed: see _startup's adoption
-        _save.finish(prepared)
+        _save.write_and_publish(prepared)
         # Written and durable: now it may be listed. If recording fails, the unlisted folder is
         # garbage that the next manager removes.
         candidates = [*self._infos, info]

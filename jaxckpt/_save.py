@@ -428,10 +428,6 @@ def write(path: PathLike, root: Any, *, overwrite: bool = False, budget: int | N
     return write_and_publish(prepare(path, root, overwrite=overwrite, budget=budget))
 
 
-# The name _manager.py and tests/test_manager_safety.py still call it by; remove once they follow.
-finish = write_and_publish
-
-
 def _checked_read(key: str, x: Deferred) -> np.ndarray:
     data = x.read()
     if data.shape != x.shape or data.dtype != x.dtype:

@@ -35,7 +35,7 @@ def held_save(monkeypatch):
         started = threading.Event()
         error: BaseException | None = None
 
-    real_finish = _save.finish
+    real_finish = _save.write_and_publish
 
     def finish(prepared):
         Held.started.set()
@@ -44,7 +44,7 @@ def held_save(monkeypatch):
             raise Held.error
         return real_finish(prepared)
 
-    monkeypatch.setattr(_save, "finish", finish)
+    monkeypatch.setattr(_save, "write_and_publish", finish)
     try:
         yield Held
     finally:
