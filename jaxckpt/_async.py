@@ -25,23 +25,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 _lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
+# One worker thread per pool: "save" writes checkpoints; "copy" copies finished ones to a durable
+# tier (jaxckpt._tiers), so that a slow copy to a bucket never holds up the next save's write.
+_executors: dict[str, ThreadPoolExecutor] = {}
 _uncollected: set[Future[Any]] = set()  # failed or pending futures whose owner has not looked yet
 
 
-def _worker() -> ThreadPoolExecutor:
-    global _executor
+def _worker(pool: str) -> ThreadPoolExecutor:
     with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxckpt-save")
-        return _executor
+        if pool not in _executors:
+            _executors[pool] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"jaxckpt-{pool}")
+        return _executors[pool]
 
 
 class Background:
     """The background save of one owner."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, pool: str = "save") -> None:
         self._what = what
+        self._pool = pool
         self._future: Future[Any] | None = None
 
     @property
@@ -57,20 +59,23 @@ class Background:
     def submit(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` in the background, after the previous save of this owner (raising its error)."""
         self.wait()
-        future = _worker().submit(fn)
+        future = _worker(self._pool).submit(fn)
         with _lock:
             _uncollected.add(future)
         self._future = future
 
-    def settle(self) -> None:
-        """Block until this owner's background save is done, without raising or forgetting its error.
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until this owner's background save is done (at most ``timeout`` seconds), without
+        raising or forgetting its error; returns whether it is done.
 
         For looking (``repr``, a manager's listing): the error stays for :meth:`wait` or the next
         :meth:`submit`, the calls whose job is to report it.
         """
         future = self._future
         if future is not None:
-            concurrent.futures.wait([future])
+            concurrent.futures.wait([future], timeout=timeout)
+            return future.done()
+        return True
 
     def wait(self) -> None:
         """Block until this owner's background save is done; raise its error if it failed.

@@ -279,10 +279,20 @@ class ManagerView:
     as an HTML table in Jupyter. ``view.latest`` is a :class:`CheckpointView` of the latest one.
     """
 
-    def __init__(self, directory: PathLike) -> None:
+    def __init__(self, directory: PathLike, *, other_tier: bool = True) -> None:
         self.directory = os.fspath(directory)
         self.checkpoints: list[CheckpointInfo] = _statefile.read_state(self.directory) or []
         self.disk_bytes: dict[str, int | None] = {c.path: disk_bytes(c.path) for c in self.checkpoints}
+        # A two-tier manager's directory (jaxckpt._tiers): which tier this is, and the other one's view.
+        self.tiers = _statefile.read_tiers(self.directory)
+        self.tier: str | None = None
+        self.other: ManagerView | None = None
+        if self.tiers is not None:
+            local = os.path.abspath(self.directory) == self.tiers["local"]
+            self.tier = "local" if local else "durable"
+            there = self.tiers["durable" if local else "local"]
+            if other_tier and _statefile.read_state(there) is not None:
+                self.other = ManagerView(there, other_tier=False)
 
     @property
     def latest(self) -> CheckpointView | None:
@@ -312,7 +322,8 @@ class ManagerView:
         return rows
 
     def text(self) -> str:
-        lines = [f"{self.directory}  (CheckpointManager directory: {self.summary()})"]
+        what = f"{self.tier} tier of a two-tier " if self.tier else ""
+        lines = [f"{self.directory}  ({what}CheckpointManager directory: {self.summary()})"]
         rows = self._rows()
         if rows:
             head = ("  CHECKPOINT", "STEP", "SAVED", "SIZE", "METRICS")
@@ -320,6 +331,13 @@ class ManagerView:
             for r in [head, *rows]:
                 line = f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}"
                 lines.append(line.rstrip())
+        if self.other is not None:
+            lines += ["", self.other.text()]
+        elif self.tiers is not None:
+            lines += [
+                "",
+                f"{self.tiers['durable' if self.tier == 'local' else 'local']}  (the other tier: no checkpoints)",
+            ]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -329,6 +347,9 @@ class ManagerView:
         return {
             "kind": "manager",
             "directory": self.directory,
+            "tier": self.tier,
+            "tiers": self.tiers,
+            "other_tier": self.other.to_json() if self.other is not None else None,
             "latest": self.checkpoints[-1].path if self.checkpoints else None,
             "checkpoints": [
                 {

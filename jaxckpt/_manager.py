@@ -36,7 +36,7 @@ from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, Mana
 from jaxckpt._lock import LOCK_FILE
 from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
-from jaxckpt._preemption import PreemptionHandler
+from jaxckpt._preemption import PreemptionHandler, PreemptionSaves
 from jaxckpt._restore import RestoreStatus
 from jaxckpt._statefile import STATE_FILE, latest_checkpoint
 from jaxckpt._tree import PathLike
@@ -44,7 +44,7 @@ from jaxckpt._tree import PathLike
 __all__ = ["LOCK_FILE", "STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
 
-class CheckpointManager:
+class CheckpointManager(PreemptionSaves):
     """Numbered checkpoints of one :class:`Checkpoint` in ``directory``, with retention and a state file.
 
     ::
@@ -92,12 +92,25 @@ class CheckpointManager:
     ``save_interval_steps``), :meth:`all_steps`, :meth:`latest_step`, and :meth:`restore` by step
     into :attr:`checkpoint`.
 
+    **Two tiers.** With ``local_directory`` (a fast disk of this host: NVMe, ``/dev/shm``), saves go
+    there, kept by ``local_policies`` (default: the latest 2), and the checkpoint of every
+    ``durable_interval_steps``-th step is then copied to ``directory`` (a bucket, say) in the
+    background, kept by ``max_to_keep`` and ``policies``; restores take the newest checkpoint in
+    either tier, falling back to the durable one if the local one is damaged (:mod:`jaxckpt._tiers`).
+
     ``save_on_preemption=True`` turns SIGTERM into a notice that the loop polls at step boundaries
     (:class:`PreemptionHandler`, put back by :meth:`close`): :meth:`save_if_preempted` then saves,
     waits until the checkpoint is durable, and exits; :meth:`reached_preemption` tells when, for a
     loop that does that itself. A multi-process run agrees on the step through JAX's preemption
     sync manager.
     """
+
+    def __new__(cls, *args: Any, local_directory: PathLike | None = None, **kwargs: Any) -> CheckpointManager:
+        if local_directory is not None and cls is CheckpointManager:  # two tiers: see jaxckpt._tiers
+            from jaxckpt._tiers import TieredManager
+
+            return super().__new__(TieredManager)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -116,6 +129,10 @@ class CheckpointManager:
         save_on_preemption: bool = False,
         read_only: bool = False,
         clock: Callable[[], float] = time.time,
+        local_directory: PathLike | None = None,
+        local_policies: RetentionPolicy | Sequence[RetentionPolicy] = (),
+        durable_interval_steps: int | None = None,
+        preemption_grace_s: float = 30.0,
     ) -> None:
         self._options = options = ManagerOptions.check(
             max_to_keep=max_to_keep,
@@ -140,6 +157,8 @@ class CheckpointManager:
         self._last_before: int | None = None
         self._counter_before = 0
         self._pending_path: str | None = None
+        self._last_info: CheckpointInfo | None = None  # the latest save's, for a durable copy of it
+        self._also_keep: set[str] = set()  # local checkpoints that retention keeps while they are copied
         self._background = Background("CheckpointManager")
         self._preemption: PreemptionHandler | None = None
         self._path = _storage.location(directory)
@@ -269,6 +288,7 @@ class CheckpointManager:
         if ready is None:
             return None
         prepared, info = ready
+        self._last_info = info
         try:
             _multihost.agree(prepared.token)
         except BaseException:
@@ -379,72 +399,35 @@ class CheckpointManager:
         _save.write_and_publish(prepared)
         # Written and durable: now it may be listed. If recording fails, the unlisted folder is
         # garbage that the next manager removes.
+        self._record(info, prepared.token)
+
+    def _record(self, info: CheckpointInfo, token: str) -> None:
+        """List the written checkpoint ``info`` and apply retention (every process, for ``token``)."""
         candidates = [*self._infos, info]
         if self._primary:
             retained = self._retain(candidates)
-            _retention.record(self._path, candidates, retained, prepared.token)
+            _retention.record(self._path, candidates, retained, token)
             self._last_preserved = retained.last_preserved
             kept = retained.kept
         else:
-            published = _multihost.kept(prepared.token, self._directory)
+            published = _multihost.kept(token, self._directory)
             kept = published if published is not None else self._retain(candidates).kept
         self._infos = kept
         if self._primary:
             _retention.delete_dropped(self._path, candidates, kept)
         # No process is done with a save before the state file lists it: a process that reads the
         # state file next (latest_checkpoint) must not find the previous one, perhaps being deleted.
-        _multihost.barrier(f"{prepared.token}/recorded")
+        _multihost.barrier(f"{token}/recorded")
         if self._primary:
-            _multihost.forget_kept(prepared.token)  # every process has it: keep the key-value store small
+            _multihost.forget_kept(token)  # every process has it: keep the key-value store small
 
     def _retain(self, candidates: list[CheckpointInfo]) -> _retention.Retained:
-        return _retention.retain(candidates, self._options.policy, self._options.hours, self._last_preserved)
+        opts = self._options
+        return _retention.retain(candidates, opts.policy, opts.hours, self._last_preserved, self._also_keep)
 
     def wait_until_finished(self) -> None:
         """Block until the background save is done and recorded; raise its error if it failed."""
         self._background.wait()
-
-    # --- preemption --------------------------------------------------------------------------------
-
-    def reached_preemption(self, step: int | None = None) -> bool:
-        """Whether a preemption notice (SIGTERM) came and ``step`` is the step to save at.
-
-        ``step`` defaults to the step counter's value. In a multi-process run every process must
-        call this at every step with the same step numbers; it is True at the same step on all of
-        them. Needs ``save_on_preemption=True``.
-        """
-        if self._preemption is None:
-            raise ValueError("reached_preemption needs a manager created with save_on_preemption=True.")
-        if step is None:
-            step = self._options.read_step(self._checkpoint)
-            if step is None:
-                raise ValueError("reached_preemption needs the step: pass it, or give the manager a step_counter.")
-        return self._preemption.reached_preemption(step)
-
-    def save_if_preempted(
-        self,
-        step: int | None = None,
-        *,
-        checkpoint_number: int | None = None,
-        metrics: Mapping[str, Any] | None = None,
-        exit_code: int = 0,
-    ) -> None:
-        """At a step boundary: after a preemption notice, save, wait until durable, close and exit.
-
-        Returns at once (None) while there is no notice. Otherwise it saves (unless the latest
-        checkpoint already holds this step), waits for the save, closes the manager and raises
-        ``SystemExit(exit_code)``, so ``finally`` blocks and ``with`` statements still run.
-        ``step`` is as for :meth:`reached_preemption`; ``checkpoint_number`` and ``metrics`` as
-        for :meth:`save`.
-        """
-        if not self.reached_preemption(step):
-            return
-        self._background.wait()
-        counted = self._options.step_counter is not None and self._infos  # steps in the state file are comparable
-        if not (counted and self._infos[-1].step == self._options.read_step(self._checkpoint)):
-            self.save(checkpoint_number, force=True, metrics=metrics)
-        self.close()  # waits for the save; raises its error instead of exiting cleanly
-        raise SystemExit(exit_code)
 
     # --- lifetime ----------------------------------------------------------------------------------
 

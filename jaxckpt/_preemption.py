@@ -32,11 +32,17 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxckpt import _multihost
+
+if TYPE_CHECKING:
+    from jaxckpt._async import Background
+    from jaxckpt._checkpoint import Checkpoint
+    from jaxckpt._manager_options import ManagerOptions
+    from jaxckpt._policies import CheckpointInfo
 
 
 def _sync_manager() -> Any:
@@ -128,3 +134,68 @@ class PreemptionHandler:
     def __repr__(self) -> str:
         how = "JAX preemption sync" if self._multihost else ", ".join(s.name for s in self._signals)
         return f"PreemptionHandler({how}, notified={self.notified})"
+
+
+class PreemptionSaves:
+    """:class:`~jaxckpt.CheckpointManager`'s preemption calls (``save_on_preemption=True``)."""
+
+    # What the manager has that these calls use.
+    _preemption: PreemptionHandler | None
+    _options: ManagerOptions
+    _checkpoint: Checkpoint
+    _background: Background
+    _infos: list[CheckpointInfo]
+
+    if TYPE_CHECKING:
+
+        def save(
+            self,
+            checkpoint_number: int | None = None,
+            check_interval: bool = True,
+            *,
+            step: int | None = None,
+            force: bool = False,
+            metrics: Mapping[str, Any] | None = None,
+        ) -> str | None: ...
+
+        def close(self) -> None: ...
+
+    def reached_preemption(self, step: int | None = None) -> bool:
+        """Whether a preemption notice (SIGTERM) came and ``step`` is the step to save at.
+
+        ``step`` defaults to the step counter's value. In a multi-process run every process must
+        call this at every step with the same step numbers; it is True at the same step on all of
+        them. Needs ``save_on_preemption=True``.
+        """
+        if self._preemption is None:
+            raise ValueError("reached_preemption needs a manager created with save_on_preemption=True.")
+        if step is None:
+            step = self._options.read_step(self._checkpoint)
+            if step is None:
+                raise ValueError("reached_preemption needs the step: pass it, or give the manager a step_counter.")
+        return self._preemption.reached_preemption(step)
+
+    def save_if_preempted(
+        self,
+        step: int | None = None,
+        *,
+        checkpoint_number: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        exit_code: int = 0,
+    ) -> None:
+        """At a step boundary: after a preemption notice, save, wait until durable, close and exit.
+
+        Returns at once (None) while there is no notice. Otherwise it saves (unless the latest
+        checkpoint already holds this step), waits for the save, closes the manager and raises
+        ``SystemExit(exit_code)``, so ``finally`` blocks and ``with`` statements still run.
+        ``step`` is as for :meth:`reached_preemption`; ``checkpoint_number`` and ``metrics`` as
+        for :meth:`save`.
+        """
+        if not self.reached_preemption(step):
+            return
+        self._background.wait()
+        counted = self._options.step_counter is not None and self._infos  # steps in the state file are comparable
+        if not (counted and self._infos[-1].step == self._options.read_step(self._checkpoint)):
+            self.save(checkpoint_number, force=True, metrics=metrics)
+        self.close()  # waits for the save; raises its error instead of exiting cleanly
+        raise SystemExit(exit_code)

@@ -15,7 +15,7 @@ import os
 import secrets
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,7 +31,11 @@ class Retained(NamedTuple):
 
 
 def retain(
-    candidates: Sequence[CheckpointInfo], policy: RetentionPolicy | None, hours: float | None, last_preserved: float
+    candidates: Sequence[CheckpointInfo],
+    policy: RetentionPolicy | None,
+    hours: float | None,
+    last_preserved: float,
+    also_keep: Collection[str] = (),
 ) -> Retained:
     """What to keep of ``candidates`` (oldest first, the new checkpoint last).
 
@@ -39,11 +43,13 @@ def retain(
     active set), ``policy`` keeps some and the latest is always kept; as in TensorFlow's manager,
     each one dropped is instead preserved, oldest first, if it was saved at least ``hours``
     (``keep_checkpoint_every_n_hours``) after the last preserved one. Without a policy, all stay.
+    The paths in ``also_keep`` stay this time whatever the policy (a local checkpoint that is still
+    being copied to the durable tier).
     """
     if policy is None:
         return Retained(list(candidates), last_preserved)
     active = tuple(c for c in candidates if not c.preserved)
-    keep = {c.path for c in policy.keep(active)} | {candidates[-1].path}
+    keep = {c.path for c in policy.keep(active)} | {candidates[-1].path} | set(also_keep)
     out = []
     for c in candidates:
         if c.preserved or c.path in keep:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 from jaxckpt import _storage
-from jaxckpt._errors import CheckpointFormatError, UnsupportedVersionError
+from jaxckpt._errors import CheckpointFormatError, JaxckptError, UnsupportedVersionError
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._tree import PathLike
 
@@ -212,3 +212,32 @@ def latest_checkpoint(directory: PathLike) -> str | None:
     """
     infos = read_state(os.fspath(directory))
     return infos[-1].path if infos else None
+
+
+# --- two tiers (jaxckpt._tiers): each tier's directory names both -------------------------------
+
+TIERS_FILE = "checkpoint.tiers"
+TIERS_FORMAT = "jaxckpt-tiers"
+
+
+def write_tiers(local: str, durable: str) -> None:
+    """Name both tiers in each tier's directory (``checkpoint.tiers``), for ``jaxckpt ls``."""
+    body = json.dumps({"format": TIERS_FORMAT, "local": os.path.abspath(local), "durable": durable}).encode()
+    for directory in (local, durable):
+        folder = _storage.location(directory)
+        if _storage.read_file(folder, TIERS_FILE) != body:
+            _storage.write_file_atomic(folder, TIERS_FILE, body)
+
+
+def read_tiers(directory: PathLike) -> dict[str, str] | None:
+    """``{"local": ..., "durable": ...}`` from a tier's ``checkpoint.tiers``; None without one (or
+    with one that does not parse: it only guides listings)."""
+    try:
+        data = _storage.read_file(_storage.location(directory), TIERS_FILE)
+        doc = json.loads(data) if data is not None else None
+    except (JaxckptError, OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != TIERS_FORMAT:
+        return None
+    tiers = {k: v for k in ("local", "durable") if isinstance(v := doc.get(k), str)}
+    return tiers if len(tiers) == 2 else None

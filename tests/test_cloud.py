@@ -2,11 +2,8 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,53 +12,6 @@ import tensorstore as ts
 
 import jaxckpt
 from jaxckpt import _cli, _staging, _storage
-
-BUCKET = "jaxckpt-tests"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """An S3-compatible server on loopback for this module, stopped at the end."""
-    pytest.importorskip("moto")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:  # poll until it answers (a readiness check, not a sleep to wait for work)
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the moto S3 server did not start") from None
-    env = {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": endpoint,
-    }
-    req = urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT")
-    urllib.request.urlopen(req, timeout=10)
-    yield env
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-@pytest.fixture
-def s3(s3_server, monkeypatch, request):
-    for k, v in s3_server.items():
-        monkeypatch.setenv(k, v)
-    return f"s3://{BUCKET}/{request.node.name}"
 
 
 def test_save_restore_and_inspect_on_s3(s3):

@@ -1,0 +1,332 @@
+"""Two tiers: frequent checkpoints on local disk, durable copies in a bucket, restore from the newest.
+
+Large runs save to a bucket, which is slow and shared, so they save rarely and lose hours at each
+preemption; hosts have fast local disks that are lost with the machine. With ``local_directory``,
+a :class:`~jaxckpt.CheckpointManager` keeps both::
+
+    manager = jaxckpt.CheckpointManager(
+        ckpt, "s3://bucket/runs/exp1",              # durable tier: kept by max_to_keep / policies
+        local_directory="/mnt/nvme/exp1",           # fast tier on this host
+        local_policies=jaxckpt.KeepLatest(2),
+        save_interval_steps=100,                    # every 100 steps to local disk
+        durable_interval_steps=1000,                # every 1,000 steps also to the bucket
+    )
+    manager.restore_or_initialize()                 # the newest complete checkpoint in either tier
+
+**Saving.** :meth:`TieredManager.save` is a save of the local tier: it returns as soon as a local
+save does. When the step is due for the durable tier, the finished local checkpoint is then copied
+to the durable directory in the background, in a thread of its own (:mod:`jaxckpt._copy`: the
+files the local save wrote, never device memory again; the index last, so the copy is atomic in a
+bucket too), and recorded in the durable state file, whose retention then applies. Until its copy
+is done, local retention keeps that checkpoint. A copy still running when the next one is due is
+not waited for: the newest due checkpoint is copied next, those in between are skipped. A copy
+that fails is reported by a warning at the next save, and raised by :meth:`wait_until_finished`
+and :meth:`close`; local saves go on.
+
+**Restoring.** :meth:`restore_or_initialize` and :meth:`restore` take the newest checkpoint listed
+in either tier (the local one when both hold the step), so a restart on the same machine reads
+local disk, and a new machine (no local tier) reads the bucket. A local checkpoint that fails to
+restore (damaged, or gone) falls back to the newest durable one, with a warning; local checkpoints
+newer than what was restored are then dropped, so that numbering continues from the restored step.
+
+**Listing.** Each directory holds a small ``checkpoint.tiers`` file naming both, so that
+``jaxckpt ls`` on either shows the checkpoints of both tiers and where each lives.
+
+**Preemption.** With ``save_on_preemption=True``, :meth:`save_if_preempted` saves to the local tier,
+starts the durable copy of that checkpoint, and waits for it only as long as
+``preemption_grace_s`` allows, then says on stderr what was copied and exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxckpt import _copy, _retention, _statefile, _storage
+from jaxckpt._async import Background
+from jaxckpt._checkpoint import Checkpoint
+from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError
+from jaxckpt._format import INDEX_FILE
+from jaxckpt._manager import CheckpointManager
+from jaxckpt._policies import CheckpointInfo, KeepLatest, RetentionPolicy, positive_int
+from jaxckpt._restore import RestoreStatus
+from jaxckpt._tree import PathLike
+
+# The options a local tier shares with the durable one; the rest (retention) are its own.
+_SHARED = ("checkpoint_name", "step_counter", "checkpoint_interval", "save_interval_steps", "async_save", "clock")
+
+
+class TieredManager(CheckpointManager):
+    """A :class:`~jaxckpt.CheckpointManager` with a local tier (see the module's description)."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: PathLike,
+        max_to_keep: int | None = None,
+        *,
+        local_directory: PathLike,
+        local_policies: RetentionPolicy | Sequence[RetentionPolicy] = (),
+        durable_interval_steps: int | None = None,
+        preemption_grace_s: float = 30.0,
+        **options: Any,
+    ) -> None:
+        if durable_interval_steps is not None:
+            positive_int("durable_interval_steps", durable_interval_steps)
+        if not preemption_grace_s >= 0:
+            raise ValueError(f"preemption_grace_s must be 0 or more seconds, not {preemption_grace_s!r}.")
+        if _storage.location(local_directory).local is None:
+            raise ValueError(
+                f"local_directory must be a folder on this host's disk, not {os.fspath(local_directory)!r}."
+            )
+        if os.path.abspath(os.fspath(local_directory)) == os.path.abspath(os.fspath(directory)):
+            raise ValueError("local_directory and directory must be two different folders.")
+        policies = [local_policies] if isinstance(local_policies, RetentionPolicy) else list(local_policies)
+        super().__init__(checkpoint, directory, max_to_keep, **options)  # the durable tier
+        try:
+            local_options = {k: v for k, v in options.items() if k in _SHARED or k == "read_only"}
+            self._local = CheckpointManager(
+                checkpoint, local_directory, policies=policies or [KeepLatest(2)], **local_options
+            )
+        except BaseException:
+            self._close(report=False)
+            raise
+        # The durable tier's saves are copies, in a thread of their own (see jaxckpt._async).
+        self._background = Background("durable copy", pool="copy")
+        self._every = durable_interval_steps
+        self._grace = preemption_grace_s
+        self._copy_lock = threading.Lock()
+        self._copying = False  # a copy job runs (or is queued)
+        self._wanted: CheckpointInfo | None = None  # the newest local checkpoint due for a copy
+        self.copied: list[str] = []  # durable paths copied by this manager, oldest first
+        if not options.get("read_only", False):
+            _statefile.write_tiers(self._local.directory, self._directory)
+
+    # --- saving ------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        checkpoint_number: int | None = None,
+        check_interval: bool = True,
+        *,
+        step: int | None = None,
+        force: bool = False,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> str | None:
+        """Save to the local tier (see :meth:`CheckpointManager.save`); if the step is due for the
+        durable tier (``durable_interval_steps``, or ``force``), copy it there in the background."""
+        self._report_failed_copy()
+        path = self._local.save(checkpoint_number, check_interval, step=step, force=force, metrics=metrics)
+        info = self._local._last_info
+        if path is None or info is None:
+            return None
+        if force or self._every is None or info.step % self._every == 0:
+            self._copy_later(info)
+        return path
+
+    def should_save(self, step: int) -> bool:
+        return self._local.should_save(step)
+
+    def _copy_later(self, info: CheckpointInfo) -> None:
+        with self._copy_lock:
+            if self._wanted is not None:  # superseded before its copy started: skipped
+                self._local._also_keep.discard(self._wanted.path)
+            self._wanted = info
+            self._local._also_keep.add(info.path)
+            if self._copying:
+                return  # the running job takes it next
+            self._copying = True
+        self._background.submit(self._copy_wanted)
+
+    def _copy_wanted(self) -> None:
+        while True:
+            with self._copy_lock:
+                info, self._wanted = self._wanted, None
+                if info is None:
+                    self._copying = False
+                    return
+            try:
+                self._copy(info)
+            except BaseException:
+                with self._copy_lock:
+                    self._copying = False
+                    if self._wanted is not None:
+                        self._local._also_keep.discard(self._wanted.path)
+                        self._wanted = None
+                raise
+            finally:
+                self._local._also_keep.discard(info.path)
+
+    def _copy(self, info: CheckpointInfo) -> None:
+        self._local._background.settle()  # the local write of this checkpoint is done (or failed)
+        source = Path(info.path)
+        if not (source / INDEX_FILE).is_file():
+            return  # its local save failed: the local manager reports that at the next call
+        name = source.name
+        durable = dataclasses.replace(info, path=os.path.join(self._directory, name))
+        if any(c.path == durable.path for c in self._infos):
+            return  # already there (a restart that saved the same step again)
+        dest = self._path / name
+        if not _storage.is_checkpoint(dest):
+            _copy.copy_checkpoint(source, dest)
+        self._record(durable, f"copy-{name}")
+        self.copied.append(durable.path)
+
+    def _report_failed_copy(self) -> None:
+        if self._background.failed:
+            try:
+                self._background.wait()
+            except Exception as e:
+                warnings.warn(
+                    f"A copy to the durable tier {self._directory!r} failed: {e}. Local checkpoints go on; the next "
+                    "checkpoint due for the durable tier is copied again.",
+                    stacklevel=3,
+                )
+
+    def wait_until_finished(self) -> None:
+        """Block until the local save and the durable copy are done; raise an error of either."""
+        try:
+            self._local.wait_until_finished()
+        finally:
+            self._background.wait()
+
+    # --- restoring ---------------------------------------------------------------------------------
+
+    @property
+    def local_checkpoint_infos(self) -> list[CheckpointInfo]:
+        """The local tier's kept checkpoints, oldest first (:attr:`checkpoint_infos` lists the durable tier's)."""
+        return self._local.checkpoint_infos
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest checkpoint in either tier (the local one when both hold its step)."""
+        newest = self._newest(None)
+        return newest[0].path if newest else None
+
+    def latest_step(self) -> int | None:
+        newest = self._newest(None)
+        return newest[0].step if newest else None
+
+    def _newest(self, step: int | None) -> list[CheckpointInfo]:
+        """The checkpoints to try, best first: the newest local one (if it is at least as new as the
+        newest durable one), then the newest durable one; only those of ``step`` if given."""
+        self._background.settle()
+        local = [c for c in self._local.checkpoint_infos if step is None or c.step == step]
+        durable = [c for c in self._infos if step is None or c.step == step]
+        out = []
+        if local and (not durable or local[-1].step >= durable[-1].step):
+            out.append(local[-1])
+        if durable:
+            out.append(durable[-1])
+        return out
+
+    def restore_or_initialize(self) -> str | None:
+        self._local.wait_until_finished()
+        restored = self._restore_newest(None)
+        if restored is not None:
+            return restored[0]
+        if self._options.init_fn is not None:
+            self._options.init_fn()
+        return None
+
+    def restore(self, step: int | None = None) -> RestoreStatus:
+        self._local.wait_until_finished()
+        restored = self._restore_newest(step)
+        if restored is None:
+            raise CheckpointNotFoundError(
+                f"Neither {self._local.directory!r} nor {self._directory!r} has a checkpoint"
+                + ("" if step is None else f" of step {step}")
+                + "."
+            )
+        return restored[1]
+
+    def _restore_newest(self, step: int | None) -> tuple[str, RestoreStatus] | None:
+        tried = self._newest(step)
+        for i, info in enumerate(tried):
+            try:
+                status = self._checkpoint.restore(info.path)
+            except (CheckpointFormatError, CheckpointNotFoundError) as e:  # damaged, or gone
+                if i + 1 == len(tried):
+                    raise
+                warnings.warn(
+                    f"The local checkpoint {info.path!r} cannot be restored ({e}); restoring the durable "
+                    f"{tried[i + 1].path!r} instead.",
+                    stacklevel=3,
+                )
+                continue
+            if i > 0:  # the local tier's newer checkpoints belong to a run that is not continued
+                self._drop_local_after(info.step)
+            self._restored()
+            self._local._restored()
+            return info.path, status
+        return None
+
+    def _drop_local_after(self, step: int) -> None:
+        local = self._local
+        old = list(local._infos)
+        kept = [c for c in old if c.step <= step]
+        if kept == old or local.read_only:
+            return
+        _statefile.write_state(local._path, kept, local._last_preserved)
+        _retention.delete_dropped(local._path, old, kept)
+        local._infos = kept
+
+    # --- preemption and lifetime -------------------------------------------------------------------
+
+    def save_if_preempted(
+        self,
+        step: int | None = None,
+        *,
+        checkpoint_number: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        exit_code: int = 0,
+    ) -> None:
+        """After a preemption notice: save to the local tier, copy that checkpoint to the durable
+        tier while ``preemption_grace_s`` allows, say on stderr what was copied, and exit."""
+        if not self.reached_preemption(step):
+            return
+        deadline = time.monotonic() + self._grace
+        self._local.wait_until_finished()
+        infos = self._local.checkpoint_infos
+        counted = self._options.step_counter is not None and infos
+        if counted and infos[-1].step == self._options.read_step(self._checkpoint):
+            path: str | None = infos[-1].path
+            self._copy_later(infos[-1])
+        else:
+            path = self.save(checkpoint_number, force=True, metrics=metrics)
+        self._local.close()  # the local checkpoint is durable on this host
+        done = self._background.settle(timeout=max(0.0, deadline - time.monotonic()))
+        name = os.path.basename(path or "")
+        where = os.path.join(self._directory, name)
+        copied = done and where in self.copied
+        print(
+            f"jaxckpt: preempted: saved {path} locally; its durable copy {where} "
+            + ("is complete." if copied else f"did not finish within {self._grace:g} s (the copy goes on until exit)."),
+            file=sys.stderr,
+        )
+        if done:
+            self.close()
+        raise SystemExit(exit_code)
+
+    def close(self) -> None:
+        """Finish the local save and the durable copy, then release both directories."""
+        try:
+            self._local.close()
+        finally:
+            super().close()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            self._local._close(report=False)
+        finally:
+            super().__exit__(exc_type, *exc)
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self._directory!r}, local_directory={self._local.directory!r})"
