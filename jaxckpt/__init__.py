@@ -28,9 +28,9 @@ from jaxckpt._errors import (
 from jaxckpt._format import FORMAT_VERSION
 from jaxckpt._inspect import CheckpointView, ManagerView, inspect
 from jaxckpt._manager import CheckpointManager
+from jaxckpt._open import latest_checkpoint
 from jaxckpt._policies import CheckpointInfo, KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
 from jaxckpt._preemption import PreemptionHandler
-from jaxckpt._reader import latest_checkpoint
 from jaxckpt._restore import RestoreStatus, list_variables, load_variable, restore
 from jaxckpt._slots import SlotReport, restore_slots
 from jaxckpt._version import __version__ as __version__

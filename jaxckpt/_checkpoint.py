@@ -23,7 +23,8 @@ from jaxckpt._errors import (
     UnusedValuesWarning,
 )
 from jaxckpt._format import ValueLeaf
-from jaxckpt._reader import Opened, open_checkpoint
+from jaxckpt._open import open_checkpoint
+from jaxckpt._reader import Opened
 from jaxckpt._restore import KeyMap, RestoreStatus, mapped, summarize
 from jaxckpt._tree import CHECKPOINT, PathLike, describe, escape_edge, flatten, join, placeholders_message, rebuild
 

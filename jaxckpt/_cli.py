@@ -47,8 +47,9 @@ from jaxckpt._errors import (
 )
 from jaxckpt._format import ArrayLeaf, InForeign, InPack, Leaf, ValueLeaf
 from jaxckpt._inspect import CheckpointView, ManagerView
+from jaxckpt._open import open_latest
 from jaxckpt._progress import Progress, human_bytes
-from jaxckpt._reader import Opened, open_latest
+from jaxckpt._reader import Opened
 from jaxckpt._scan import Stats, number_text, pieces
 from jaxckpt._statefile import is_manager_directory
 from jaxckpt._tree import describe

@@ -21,7 +21,8 @@ import numpy as np
 from jaxckpt import _save
 from jaxckpt._errors import CheckpointExistsError
 from jaxckpt._format import SCALAR_TYPES, ArrayLeaf, ValueLeaf
-from jaxckpt._reader import Opened, open_latest
+from jaxckpt._open import open_latest
+from jaxckpt._reader import Opened
 from jaxckpt._templates import NO_TEMPLATE
 from jaxckpt._tree import PathLike, build
 

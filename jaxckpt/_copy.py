@@ -6,49 +6,21 @@ go into a staging folder (in an object store: under the destination, after the s
 the index is written last, so a copy interrupted at any point leaves no checkpoint there, only
 leftovers that the next save or copy removes.
 
-A copy that runs in the background must not lose its source to the local tier's retention: it
-first *pins* the source by hard-linking its files into a hidden sibling folder (the files of a
-finished checkpoint never change, so the links are a snapshot), copies from the pin, and removes
-it when done.
+A copy that runs in the background must not lose its source to the local tier's retention: the
+manager keeps the source until its copy is done (:func:`jaxckpt._retention.retain`'s ``also_keep``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxckpt import _staging, _storage, _tensorstore
-from jaxckpt._errors import CheckpointNotFoundError
-from jaxckpt._format import INDEX_FILE
+from jaxckpt import _multihost, _staging, _storage, _tensorstore
+from jaxckpt._format import INDEX_FILE, data_store
 from jaxckpt._storage import Location
-
-PIN_MARK = ".copying-"  # a pinned source: ".<name>.copying-<random>", beside the checkpoint
-
-
-def pin(source: Path) -> Path:
-    """Hard links of every file of the finished checkpoint ``source`` in a hidden sibling folder."""
-    if not (source / INDEX_FILE).is_file():
-        raise CheckpointNotFoundError(
-            f"Cannot copy {str(source)!r}: it is not a finished checkpoint (no {INDEX_FILE})."
-        )
-    pinned = source.parent / f".{source.name}{PIN_MARK}{uuid.uuid4().hex[:12]}"
-    try:
-        for folder, _, files in os.walk(source):
-            here = pinned / os.path.relpath(folder, source)
-            here.mkdir(parents=True, exist_ok=True)
-            for name in files:
-                os.link(os.path.join(folder, name), here / name)
-    except BaseException:
-        shutil.rmtree(pinned, ignore_errors=True)
-        raise
-    return pinned
-
-
-def unpin(pinned: Path) -> None:
-    shutil.rmtree(pinned, ignore_errors=True)
 
 
 def files_of(source: Path) -> list[str]:
@@ -63,30 +35,49 @@ def files_of(source: Path) -> list[str]:
 
 
 def copy_checkpoint(
-    source: Path, dest: Location, *, overwrite: bool = False, on_file: Callable[[int], None] | None = None
+    source: Path,
+    dest: Location,
+    *,
+    overwrite: bool = False,
+    on_file: Callable[[int], None] | None = None,
+    tag: str | None = None,
 ) -> None:
     """Copy the finished checkpoint at ``source`` (a local folder) to ``dest``; the index last.
 
+    In a multi-process run every process calls it with the same ``tag`` (unique to this copy, alike
+    on every process): each copies the data store it wrote (``data.p<n>``; process 0 ``data`` and the
+    index), so that ``dest`` becomes the checkpoint that a save by all of them there would have made.
     ``on_file(nbytes)`` is called after each file is copied (progress, and tests that interrupt).
     Memory holds one file at a time: the largest is a data file of the OCDBT database.
     """
-    files = files_of(source)
-    index = (source / INDEX_FILE).read_bytes()
-    _staging.check_writable(dest, overwrite)
-    _staging.clear_for_save(dest)
-    token = uuid.uuid4().hex[:12]
-    staging = _staging.staging_folder(dest, token)
+    me, many = _multihost.process_index(), _multihost.process_count() > 1
+    mine = data_store(me)
+    files = [f for f in files_of(source)[:-1] if not many or f.split("/", 1)[0] == mine]
+    name = tag if tag is not None else uuid.uuid4().hex
+    token = hashlib.sha256(name.encode()).hexdigest()[:12]  # the same on every process, without a round trip
+    if me == 0:  # first, so that a stale staging folder of the same token is gone before others write
+        _staging.check_writable(dest, overwrite)
+        _staging.clear_for_save(dest)
+        staging = _staging.staging_folder(dest, token)
+    _multihost.barrier(f"{name}/staged")
+    if me != 0:
+        staging = _staging.staging_folder(dest, token)
     try:
-        for rel in files[:-1]:
+        for rel in files:
             size = _copy_file(source / rel, staging, rel)
             if on_file is not None:
                 on_file(size)
-        _staging.publish(staging, dest, index, overwrite)
+        _multihost.barrier(f"{name}/written")
+        if me == 0:
+            index = (source / INDEX_FILE).read_bytes()
+            _staging.publish(staging, dest, index, overwrite)
+            if on_file is not None:
+                on_file(len(index))
+        _multihost.barrier(f"{name}/published")
     except BaseException:
-        _staging.discard(staging)
+        if me == 0:
+            _staging.discard(staging)
         raise
-    if on_file is not None:
-        on_file(len(index))
 
 
 def _copy_file(path: Path, staging: Location, rel: str) -> int:

@@ -11,8 +11,8 @@ import numpy as np
 
 from jaxckpt._describe import json_value, key_matcher, leaf_shape, leaf_type, selected
 from jaxckpt._format import ArrayLeaf, Leaf, ValueLeaf
+from jaxckpt._open import open_latest
 from jaxckpt._progress import Progress
-from jaxckpt._reader import open_latest
 from jaxckpt._scan import array_leaf, batches, number_text, numeric, one_large, pieces, read_arrays
 
 

@@ -38,9 +38,10 @@ from jaxckpt._describe import (
     short_value,
 )
 from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
+from jaxckpt._open import open_latest
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._progress import human_bytes
-from jaxckpt._reader import Opened, open_latest
+from jaxckpt._reader import Opened
 from jaxckpt._statefile import is_manager_directory
 from jaxckpt._templates import NO_TEMPLATE
 from jaxckpt._tree import PathLike, build

@@ -105,6 +105,9 @@ class CheckpointManager(PreemptionSaves):
     sync manager.
     """
 
+    # Every process keeps a directory of its own on its own disk (a two-tier manager's local tier).
+    _own_copy = False
+
     def __new__(cls, *args: Any, local_directory: PathLike | None = None, **kwargs: Any) -> CheckpointManager:
         if local_directory is not None and cls is CheckpointManager:  # two tiers: see jaxckpt._tiers
             from jaxckpt._tiers import TieredManager
@@ -164,7 +167,7 @@ class CheckpointManager(PreemptionSaves):
         self._path = _storage.location(directory)
         # In a multi-process run, only the primary owns the directory: it holds the lock, writes the
         # state file and deletes; the others keep the same list of checkpoints in memory.
-        self._primary = _multihost.is_primary()
+        self._primary = self._own_copy or _multihost.is_primary()
         self._lock: _lock.Lock | None = None
         # Object stores have no atomic create-if-absent that every S3-compatible store honours, so the
         # lock guards local directories only (see the README).
@@ -335,7 +338,7 @@ class CheckpointManager(PreemptionSaves):
         self._checkpoint.save_counter = number if checkpoint_number is None else counter + 1
         self._pending_path = path
         try:
-            prepared = _save.prepare(path, self._checkpoint)
+            prepared = _save.prepare(path, self._checkpoint, own_copy=self._own_copy)
         except BaseException:
             self._checkpoint.save_counter = counter
             raise
@@ -406,7 +409,7 @@ class CheckpointManager(PreemptionSaves):
         candidates = [*self._infos, info]
         if self._primary:
             retained = self._retain(candidates)
-            _retention.record(self._path, candidates, retained, token)
+            _retention.record(self._path, candidates, retained, token, publish=not self._own_copy)
             self._last_preserved = retained.last_preserved
             kept = retained.kept
         else:
@@ -418,7 +421,7 @@ class CheckpointManager(PreemptionSaves):
         # No process is done with a save before the state file lists it: a process that reads the
         # state file next (latest_checkpoint) must not find the previous one, perhaps being deleted.
         _multihost.barrier(f"{token}/recorded")
-        if self._primary:
+        if self._primary and not self._own_copy:
             _multihost.forget_kept(token)  # every process has it: keep the key-value store small
 
     def _retain(self, candidates: list[CheckpointInfo]) -> _retention.Retained:

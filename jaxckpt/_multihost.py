@@ -176,3 +176,15 @@ def kept(token: str, directory: str) -> list[CheckpointInfo] | None:
         )
         for r in doc["kept"]
     ]
+
+
+def gather(name: str, value: str) -> list[str]:
+    """Every process's ``value`` for ``name``, in process order (``[value]`` with one process).
+    Each process calls it once per ``name``; names are never reused."""
+    if process_count() == 1:
+        return [value]
+    client = _client()
+    client.key_value_set(f"jaxckpt/gather/{name}/{process_index()}", value)
+    return [
+        str(client.blocking_key_value_get(f"jaxckpt/gather/{name}/{p}", timeout_ms())) for p in range(process_count())
+    ]

@@ -45,27 +45,33 @@ class Progress:
             enabled = bool(isatty and isatty()) and not os.environ.get("JAXCKPT_NO_PROGRESS")
         self.enabled = enabled
         self.done = 0
-        self._bar = tqdm(
-            total=max(0, int(total)),
-            desc=label,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            file=stream,
-            disable=not enabled,
-            delay=delay,
-            leave=False,  # erased when done: what the command prints next starts on a clean line
-            mininterval=0.1,
-            dynamic_ncols=True,
+        # No bar object at all when it does not draw: tqdm's constructor sets up locks (multiprocessing).
+        self._bar = (
+            None
+            if not enabled
+            else tqdm(
+                total=max(0, int(total)),
+                desc=label,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=stream,
+                delay=delay,
+                leave=False,  # erased when done: what the command prints next starts on a clean line
+                mininterval=0.1,
+                dynamic_ncols=True,
+            )
         )
 
     def update(self, n: int) -> None:
         """Count ``n`` more bytes done; redraws if it is time to."""
         self.done += n
-        self._bar.update(n)
+        if self._bar is not None:
+            self._bar.update(n)
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
 
     def __enter__(self) -> Progress:
         return self

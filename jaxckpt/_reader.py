@@ -5,22 +5,22 @@ the other libraries' formats (:class:`ForeignOpened`, over :mod:`jaxckpt._format
 
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from jaxckpt import _format, _formats, _statefile, _storage, _tensorstore
+from jaxckpt import _format, _formats, _storage, _tensorstore
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
     MissingKeyError,
-    NotACheckpointError,
     UnsupportedValueError,
 )
 from jaxckpt._format import DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InForeign, InPack, Leaf
@@ -40,6 +40,12 @@ from jaxckpt._read_plan import (
 from jaxckpt._templates import NO_TEMPLATE, cast_for, check, restored_value, target_sharding
 from jaxckpt._tree import PathLike, describe
 
+# Called once the host data of a load is read (with its error, or None), before arrays are placed on
+# devices: a two-tier manager's local restore agrees there that every process could read its own copy
+# (placing arrays may take every process, through JAX's collectives).
+AFTER_READ: contextvars.ContextVar[Callable[[BaseException | None], None] | None] = contextvars.ContextVar(
+    "jaxckpt_after_read", default=None
+)
 # The arrays of one data store opened for reading: key -> TensorStore array.
 _StoreArrays = dict[str, Any]
 
@@ -118,7 +124,15 @@ class Opened:
         """Values for ``{key: template}``: checked first, then read in one batch."""
         for key, template in wanted.items():
             check(key, self.leaf(key), template)
-        data = self._read(wanted)
+        after_read = AFTER_READ.get()
+        try:
+            data = self._read(wanted)
+        except BaseException as e:
+            if after_read is not None:
+                after_read(e)
+            raise
+        if after_read is not None:  # before placing arrays, which may take every process (collectives)
+            after_read(None)
         out: dict[str, Any] = {}
         to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding | None]] = []
         for key, template in wanted.items():
@@ -161,7 +175,8 @@ class Opened:
         try:
             reads = self._plan_arrays({k: (*arrays[k], wanted[k]) for k in arrays})
             needed = stores_in(plan for read in reads.values() for plan in read.regions.values())
-            self._check_backed([*arrays, *(k for keys in packed.values() for k in keys)], needed)
+            plans = {k: list(read.regions.values()) for k, read in reads.items()}
+            self._check_backed([*arrays, *(k for keys in packed.values() for k in keys)], needed, plans)
             for pack, leaves in packed.items():
                 data.update(self._read_packed(pack, leaves))
             data.update(self._read_arrays({k: wanted[k] for k in arrays}, reads))
@@ -178,14 +193,18 @@ class Opened:
         """The data stores this reader has opened or measured so far."""
         return sorted(set(self._readers) | set(self._stored_bytes))
 
-    def _check_backed(self, keys: list[str], stores: set[str]) -> None:
+    def _check_backed(
+        self, keys: list[str], stores: set[str], plans: Mapping[str, list[RegionPlan]] | None = None
+    ) -> None:
         """Before any buffer is allocated: the data stores ``stores`` (those the read will use) hold
         at least the bytes the index claims.
 
         Chunks are stored uncompressed (the codecs are checked on open) and every chunk is written
         (format version 2), so a store holds at least the bytes of the values in it. A crafted index
         that claims a 64 GiB array in a 1 MB checkpoint is refused here, not by running out of memory.
-        Local folders only: TensorStore lists object stores without sizes.
+        Local folders only: TensorStore lists object stores without sizes. With ``plans`` (the regions
+        a read takes of each array), an array claims the bytes of the parts read, not all it has in a
+        store: a process's own copy (a two-tier manager's local tier) holds only the regions it had.
         """
         if self.index.version < 2 or self.location.local is None or not keys:
             return
@@ -195,7 +214,13 @@ class Opened:
             leaf = self.index.leaves[key]
             assert isinstance(leaf, ArrayLeaf)
             at = _in_store(leaf)
-            if isinstance(at, InArray):
+            if isinstance(at, InArray) and plans is not None and key in plans:
+                parts: dict[str, int] = defaultdict(int)
+                read = {(p.store, region_key(p.source)): p for plan in plans[key] for p in plan.parts}
+                for store, source in read:
+                    box = [s.indices(n) for s, n in zip(read[store, source].source, leaf.shape)]
+                    parts[store] += math.prod(hi - lo for lo, hi, _ in box) * leaf.dtype.itemsize
+            elif isinstance(at, InArray):
                 parts = {s: _format.store_bytes(at, leaf.shape, leaf.dtype.itemsize, s) for s in stores}
             else:
                 parts = {DATA_DIR: leaf.nbytes}
@@ -393,92 +418,3 @@ class ForeignOpened(Opened):
         data = self.checkpoint.read(key)  # foreign formats are read whole; then handed on in pieces
         for index in c_order_pieces(leaf.shape, leaf.dtype.itemsize, budget):
             yield data[index]
-
-
-def open_checkpoint(path: PathLike) -> Opened:
-    """The checkpoint at ``path``, in whichever format is on disk: jaxckpt's own (a folder with an
-    index), or a TensorFlow, Orbax, Flax msgpack or safetensors checkpoint (local paths)."""
-    location = _storage.location(path)
-    if location.local is not None and not _storage.is_checkpoint(location):
-        module = _formats.detect(location.local)
-        if module is not None:
-            return ForeignOpened(_formats.ForeignCheckpoint(module.open(str(location.local))))
-    try:
-        return Opened(path)
-    except NotACheckpointError as e:
-        if location.local is None:
-            raise
-        raise NotACheckpointError(
-            f"{e} Nor is it a checkpoint of another library that jaxckpt reads: a TensorFlow prefix (with "
-            "PREFIX.index beside it), an Orbax checkpoint folder, a Flax msgpack or a safetensors file."
-        ) from None
-
-
-def open_latest(path: PathLike) -> Opened:
-    """The checkpoint at ``path``; a manager's directory (a state file, no index) means its latest
-    checkpoint, as TensorFlow's ``load_variable`` takes a directory. So does a directory that
-    TensorFlow's, Orbax's or Flax's manager keeps."""
-    location = _storage.location(path)
-    if not _storage.is_checkpoint(location):
-        foreign = _foreign_manager(location)  # first: TensorFlow's state file has jaxckpt's name
-        if foreign is not None:
-            module, latest = foreign
-            if latest is None:
-                raise CheckpointNotFoundError(
-                    f"{os.fspath(path)!r} is a {module.NAME} manager's directory with no complete checkpoint in it."
-                )
-            return open_checkpoint(latest)
-        infos = _statefile.read_state(os.fspath(path))  # None: no state file, so not a manager's directory
-        if infos is not None:
-            if not infos:
-                raise CheckpointNotFoundError(
-                    f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
-                )
-            return Opened(infos[-1].path)
-    try:
-        return open_checkpoint(path)
-    except NotACheckpointError as e:
-        raise not_a_checkpoint(os.fspath(path), e) from None
-
-
-def _foreign_manager(location: _storage.Location) -> tuple[Any, str | None] | None:
-    """(format module, its latest checkpoint or None) if a foreign format's manager keeps the folder."""
-    if location.local is None or _formats.detect(location.local) is not None:
-        return None  # an Orbax step folder is one checkpoint, not a manager's directory
-    module = _formats.manager_of(location.local)
-    return None if module is None else (module, module.latest(str(location.local)))
-
-
-def latest_checkpoint(directory: PathLike) -> str | None:
-    """The latest checkpoint in ``directory``, or None if it holds none.
-
-    For a :class:`~jaxckpt.CheckpointManager`'s directory it reads only the state file (no lock
-    needed: it is replaced atomically)::
-
-        path = jaxckpt.latest_checkpoint("ckpts")   # "ckpts/ckpt-10"
-        if path is not None:
-            ckpt.restore(path)
-
-    It sees what is recorded on disk now: a manager's asynchronous ``save()`` records its checkpoint
-    in the background, so right after ``save()`` returns this may still name the previous one. Call
-    ``manager.wait_until_finished()`` first, or ask the manager (``manager.latest_checkpoint`` waits).
-
-    It also reads the directories that other libraries' managers keep: TensorFlow's (its
-    ``checkpoint`` file: ``".../tf_ckpts/ckpt-5"``), Orbax's (the newest finished step folder) and
-    ``flax.training.checkpoints``' (the newest ``checkpoint_<step>`` file).
-    """
-    foreign = _foreign_manager(_storage.location(directory))
-    return _statefile.latest_checkpoint(directory) if foreign is None else foreign[1]
-
-
-def not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointError:
-    """The error, with the checkpoints the folder holds, if any: the usual slip is one level too high."""
-    folder = _storage.location(path)
-    try:
-        found = [name for name in _storage.children(folder) if _storage.is_checkpoint(folder / name)]
-    except OSError:
-        found = []
-    if not found:
-        return error
-    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
-    return NotACheckpointError(f"{path!r} is not a checkpoint, but it holds checkpoints: {shown}. Pass one of them.")

@@ -18,7 +18,8 @@ from jaxckpt._errors import (
     RestoreAssertionError,
 )
 from jaxckpt._format import NUMPY, ArrayLeaf, InForeign, Leaf, ValueLeaf, scalar_type
-from jaxckpt._reader import ForeignOpened, Opened, open_latest
+from jaxckpt._open import open_latest
+from jaxckpt._reader import ForeignOpened, Opened
 from jaxckpt._templates import NO_TEMPLATE
 from jaxckpt._tree import PathLike, build, flatten, placeholders_message, rebuild, unescape_edge
 

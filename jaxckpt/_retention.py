@@ -60,7 +60,14 @@ def retain(
     return Retained(out, last_preserved)
 
 
-def record(folder: _storage.Location, candidates: Sequence[CheckpointInfo], retained: Retained, token: str) -> None:
+def record(
+    folder: _storage.Location,
+    candidates: Sequence[CheckpointInfo],
+    retained: Retained,
+    token: str,
+    *,
+    publish: bool = True,
+) -> None:
     """Primary: list what ``retained`` keeps in the state file of ``folder`` (the new checkpoint is
     ``candidates[-1]``), and publish that list to the other processes of the save ``token``."""
     # Marked before the state file stops listing them, so that a crash before they are gone
@@ -72,10 +79,12 @@ def record(folder: _storage.Location, candidates: Sequence[CheckpointInfo], reta
     try:
         _statefile.write_state(folder, retained.kept, retained.last_preserved)
     except BaseException as e:
-        _multihost.publish_kept(token, None, f"{type(e).__name__}: {e}")
+        if publish:
+            _multihost.publish_kept(token, None, f"{type(e).__name__}: {e}")
         raise
     # The others follow process 0's decision, made with its clock and its metrics.
-    _multihost.publish_kept(token, retained.kept, None)
+    if publish:
+        _multihost.publish_kept(token, retained.kept, None)
     _statefile.clear_unrecorded(folder / os.path.basename(candidates[-1].path))
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from jaxckpt import _format, _multihost, _staging, _storage, _tensorstore
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
+    DATA_DIR,
     JAX,
     NUMPY,
     NUMPY_SCALAR,
@@ -253,6 +254,27 @@ def _snapshot(
     return [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
 
 
+def _held_parts(
+    x: Any, owners: dict[tuple[tuple[int, int], ...], Any]
+) -> dict[str, list[tuple[tuple[slice, ...], np.ndarray]]]:
+    """An own copy's data: every region of ``x`` this process holds, once each, by the data store of
+    the process that owns the region (the store the index names for it)."""
+    if not isinstance(x, jax.Array):
+        return {DATA_DIR: [(tuple(slice(None) for _ in np.shape(x)), np.array(x, copy=True))]}
+    out: dict[str, list[tuple[tuple[slice, ...], np.ndarray]]] = {}
+    seen = set()
+    for s in x.addressable_shards:
+        region = _region(s.index, x.shape)
+        if region not in seen:
+            seen.add(region)
+            out.setdefault(data_store(_process_of(owners[region])), []).append((s.index, np.asarray(s.data)))
+    return out
+
+
+def _on_cpu_data(x: Any) -> bool:
+    return isinstance(x, jax.Array) and _on_cpu(x)
+
+
 class Deferred:
     """An array that a save reads only when it reaches it (``jaxckpt convert``): a value of another
     checkpoint, so that converting holds about one array at a time, not the whole checkpoint."""
@@ -286,30 +308,43 @@ class Prepared:
     index: Index
     writer: _tensorstore.Writer
     packer: _Packer
+    # Each process's own whole copy on its own disk (a two-tier manager's local tier): every process
+    # publishes its folder, with the packs and every region it holds, in the store the index names.
+    own_copy: bool = False
+    writers: dict[str, _tensorstore.Writer] = dataclasses.field(default_factory=dict)
 
 
-def prepare(path: PathLike, root: Any, *, overwrite: bool = False, budget: int | None = None) -> Prepared:
+def prepare(
+    path: PathLike, root: Any, *, overwrite: bool = False, budget: int | None = None, own_copy: bool = False
+) -> Prepared:
     """The blocking part of a save: check the destination, record every leaf, snapshot array data.
 
     Every process of a multi-process run calls it alike; each snapshots the regions it owns. When
     the snapshot's copies outgrow the host memory budget, what is recorded so far is written out
     first, so a state larger than the budget costs a longer call, not more memory. ``budget``
-    overrides :func:`host_memory_budget`.
+    overrides :func:`host_memory_budget`. ``own_copy``: each process writes a whole checkpoint of
+    its own at ``path`` (its own disk), holding the packs and every region it has (see :class:`Prepared`).
     """
     dest = _storage.location(path)
     _staging.check_writable(dest, overwrite)
     flat = flatten(root)
     _check_live_and_copy(flat.leaves)
     me = _multihost.process_index()
+    if own_copy and dest.local is None:
+        raise ValueError(f"A process's own copy goes to its local disk, not to {dest.text!r}.")
     if me == 0:
         _staging.clear_for_save(dest)  # object stores: before the token lets the others write
     token = _multihost.shared_token()
-    staging = _staging.staging_folder(dest, token)
+    staging = _staging.staging_folder(dest, token, own=own_copy)
     try:
         writer = _tensorstore.Writer((staging / data_store(me)).spec())
-        records = _Records(writer, me, host_memory_budget() if budget is None else budget)
+        records = _Records(
+            writer, me, host_memory_budget() if budget is None else budget, staging if own_copy else None
+        )
         for key, x in flat.leaves.items():
             records.add(key, x)
+        if own_copy:
+            records.writer_for(DATA_DIR)  # opened now: write_and_publish hands the last pack to it
         packs = [Pack(f"p/{i}", size, _tensorstore.pack_chunk(size)) for i, size in enumerate(records.packer.sizes)]
         index = Index(
             flat.nodes,
@@ -320,10 +355,12 @@ def prepare(path: PathLike, root: Any, *, overwrite: bool = False, budget: int |
             aliases=flat.aliases,
         )
     except BaseException:
-        if me == 0:  # the others may be writing into it; a manager removes what is left
+        if me == 0 or own_copy:  # the others may be writing into it; a manager removes what is left
             _staging.discard(staging)
         raise
-    return Prepared(os.fspath(path), dest, staging, token, overwrite, index, writer, records.packer)
+    return Prepared(
+        os.fspath(path), dest, staging, token, overwrite, index, writer, records.packer, own_copy, records.writers
+    )
 
 
 def _check_live_and_copy(leaves: dict[str, Any]) -> None:
@@ -343,8 +380,12 @@ class _Records:
     """The index records of one save's leaves, made as they are met, and the data they hand over:
     small leaves to packs, large ones to the writer as arrays of their own."""
 
-    def __init__(self, writer: _tensorstore.Writer, me: int, budget: int) -> None:
+    def __init__(
+        self, writer: _tensorstore.Writer, me: int, budget: int, own_copy: _storage.Location | None = None
+    ) -> None:
         self.writer, self.me, self.budget = writer, me, budget
+        self.own_copy = own_copy  # the staging folder of this process's own copy, if it writes one
+        self.writers = {data_store(me): writer}  # by data store: an own copy writes several
         self.packer = _Packer()
         self.leaves: dict[str, Leaf] = {}
         self.meshes: dict[int, tuple[Any, MeshRecord]] = {}
@@ -369,9 +410,21 @@ class _Records:
             record.dtype, record.shape, record.container, at, record.prng_impl, record.sharding
         )
         if self._held > self.budget:  # write out what is held so far, the pack being filled included
-            self.packer.hand_over(self.writer, last=True)
-            self.writer.flush()
+            self.packer.hand_over(self.pack_writer, last=True)
+            for w in self.writers.values():
+                w.flush()
             self._held = 0
+
+    @property
+    def pack_writer(self) -> _tensorstore.Writer:
+        return self.writer_for(DATA_DIR) if self.own_copy is not None else self.writer
+
+    def writer_for(self, store: str) -> _tensorstore.Writer:
+        """An own copy's writer of ``store`` (the process that owns a region names its store)."""
+        if store not in self.writers:
+            assert self.own_copy is not None
+            self.writers[store] = _tensorstore.Writer((self.own_copy / store).spec())
+        return self.writers[store]
 
     def _store(self, record: ArrayLeaf, data: Any, fresh: bool) -> InArray | InPack:
         """Where the array goes: a pack or an array of its own, its data handed over (this process's part)."""
@@ -384,9 +437,10 @@ class _Records:
         if record.nbytes <= _tensorstore.PACK_LEAF_LIMIT and set(by_process) == {0}:
             # A jax.Array's host view is immutable; a numpy array is copied, as in _snapshot.
             small = np.asarray(data) if isinstance(data, jax.Array) else np.array(data, copy=True)
-            if me == 0 and not (isinstance(data, jax.Array) and _on_cpu(data)):
+            packs = me == 0 or self.own_copy is not None
+            if packs and not (isinstance(data, jax.Array) and _on_cpu(data)):
                 self._held += small.nbytes  # a copy, held until its pack is written
-            return self.packer.add(small) if me == 0 else InPack(0, 0, 0, 0)
+            return self.packer.add(small) if packs else InPack(0, 0, 0, 0)
         regions, layout = None, None
         if set(by_process) != {0}:  # the sharding says where its regions are, or they are listed
             layout = _layout(data, owners, self.meshes)
@@ -396,6 +450,11 @@ class _Records:
         chunks = tuple(_tensorstore.chunk_shape(record.shape, shards, record.dtype.itemsize))
         at = InArray(f"a/{self._arrays}", _tensorstore.stored_dtype(record.dtype), regions, chunks, layout)
         self._arrays += 1
+        if self.own_copy is not None and not fresh:
+            for store, held in _held_parts(data, owners).items():
+                self.writer_for(store).add_array(at.path, record.shape, record.dtype, chunks, held)
+                self._held += sum(d.nbytes for _, d in held) if not _on_cpu_data(data) else 0
+            return at
         if fresh:
             parts, copied = [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
         else:
@@ -408,10 +467,11 @@ class _Records:
 def write_and_publish(p: Prepared) -> str:
     """The rest of a save: write the data, wait for every process, then the primary writes the index
     and publishes; returns the path once the checkpoint is visible."""
-    primary = _multihost.is_primary()
+    primary = _multihost.is_primary() or p.own_copy
     try:
-        p.packer.hand_over(p.writer, last=True)
-        p.writer.flush()
+        p.packer.hand_over(p.writers.get(DATA_DIR, p.writer) if p.own_copy else p.writer, last=True)
+        for writer in p.writers.values() or [p.writer]:
+            writer.flush()
         _multihost.barrier(f"{p.token}/written")  # every process's bytes are durable
         if primary:
             _staging.publish(p.staging, p.dest, encode_index(p.index), p.overwrite)

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar
 
 from jaxckpt._errors import MismatchError, MissingKeyError, UnsupportedValueError
-from jaxckpt._reader import open_checkpoint
+from jaxckpt._open import open_checkpoint
 from jaxckpt._templates import check, expected_text, held_text
 from jaxckpt._tree import DICT, LIST, NNX, TUPLE, NodeInfo, describe, edges_for, flatten, join, rebuild
 

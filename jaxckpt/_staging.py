@@ -195,18 +195,19 @@ def _make_folders(folder: Path) -> None:
         _storage.fsync_dir(p.parent)
 
 
-def staging_folder(path: Location, token: str) -> Location:
+def staging_folder(path: Location, token: str, *, own: bool = False) -> Location:
     """Where a save of ``path`` is assembled (shared by all processes of a save).
 
     Locally a hidden sibling folder that :func:`publish` renames; in an object store the destination
     itself. The primary process first removes stale staging folders of the same destination, then
-    owns the new one until it publishes or discards it.
+    owns the new one until it publishes or discards it. With ``own``, this process is the only
+    one that saves there (each process's own copy, on its own disk), and owns it whatever its index.
     """
     if path.local is None:
         return path
     staging = path.local.parent / f"{_staging_stem(path.local.name)}{token}"
     _make_folders(path.local.parent)
-    if _multihost.is_primary():
+    if own or _multihost.is_primary():
         _remove_stale_staging(path.local)
         try:
             staging.mkdir()

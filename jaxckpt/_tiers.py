@@ -40,6 +40,7 @@ starts the durable copy of that checkpoint, and waits for it only as long as
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 import threading
@@ -49,18 +50,26 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _copy, _retention, _statefile, _storage
+from jaxckpt import _copy, _multihost, _retention, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
-from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError
+from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError, JaxckptError
 from jaxckpt._format import INDEX_FILE
 from jaxckpt._manager import CheckpointManager
 from jaxckpt._policies import CheckpointInfo, KeepLatest, RetentionPolicy, positive_int
+from jaxckpt._reader import AFTER_READ
 from jaxckpt._restore import RestoreStatus
 from jaxckpt._tree import PathLike
 
 # The options a local tier shares with the durable one; the rest (retention) are its own.
 _SHARED = ("checkpoint_name", "step_counter", "checkpoint_interval", "save_interval_steps", "async_save", "clock")
+
+
+class _HostTier(CheckpointManager):
+    """The local tier: in a multi-process run, every process keeps a whole checkpoint of its own in
+    its own ``local_directory`` (its own disk), with the packs and every region it holds."""
+
+    _own_copy = True
 
 
 class TieredManager(CheckpointManager):
@@ -92,9 +101,7 @@ class TieredManager(CheckpointManager):
         super().__init__(checkpoint, directory, max_to_keep, **options)  # the durable tier
         try:
             local_options = {k: v for k, v in options.items() if k in _SHARED or k == "read_only"}
-            self._local = CheckpointManager(
-                checkpoint, local_directory, policies=policies or [KeepLatest(2)], **local_options
-            )
+            self._local = _HostTier(checkpoint, local_directory, policies=policies or [KeepLatest(2)], **local_options)
         except BaseException:
             self._close(report=False)
             raise
@@ -104,7 +111,9 @@ class TieredManager(CheckpointManager):
         self._grace = preemption_grace_s
         self._copy_lock = threading.Lock()
         self._copying = False  # a copy job runs (or is queued)
-        self._wanted: CheckpointInfo | None = None  # the newest local checkpoint due for a copy
+        self._wanted: list[CheckpointInfo] = []  # local checkpoints due for a copy, oldest first
+        self._copies = itertools.count()  # numbers the copies alike on every process (the copy thread)
+        self._restores = itertools.count()  # numbers the restores' agreements alike (the caller's thread)
         self.copied: list[str] = []  # durable paths copied by this manager, oldest first
         if not options.get("read_only", False):
             _statefile.write_tiers(self._local.directory, self._directory)
@@ -136,9 +145,11 @@ class TieredManager(CheckpointManager):
 
     def _copy_later(self, info: CheckpointInfo) -> None:
         with self._copy_lock:
-            if self._wanted is not None:  # superseded before its copy started: skipped
-                self._local._also_keep.discard(self._wanted.path)
-            self._wanted = info
+            # One process: only the newest due checkpoint waits; those it supersedes are skipped.
+            # Several: every process copies the same checkpoints in the same order, so none is skipped.
+            if self._wanted and _multihost.process_count() == 1:
+                self._local._also_keep.discard(self._wanted.pop().path)
+            self._wanted.append(info)
             self._local._also_keep.add(info.path)
             if self._copying:
                 return  # the running job takes it next
@@ -148,18 +159,18 @@ class TieredManager(CheckpointManager):
     def _copy_wanted(self) -> None:
         while True:
             with self._copy_lock:
-                info, self._wanted = self._wanted, None
-                if info is None:
+                if not self._wanted:
                     self._copying = False
                     return
+                info = self._wanted.pop(0)
             try:
                 self._copy(info)
             except BaseException:
                 with self._copy_lock:
                     self._copying = False
-                    if self._wanted is not None:
-                        self._local._also_keep.discard(self._wanted.path)
-                        self._wanted = None
+                    for skipped in self._wanted:
+                        self._local._also_keep.discard(skipped.path)
+                    self._wanted.clear()
                 raise
             finally:
                 self._local._also_keep.discard(info.path)
@@ -167,16 +178,17 @@ class TieredManager(CheckpointManager):
     def _copy(self, info: CheckpointInfo) -> None:
         self._local._background.settle()  # the local write of this checkpoint is done (or failed)
         source = Path(info.path)
-        if not (source / INDEX_FILE).is_file():
-            return  # its local save failed: the local manager reports that at the next call
         name = source.name
+        tag = f"copy/{name}/{next(self._copies)}"
+        # Every process's local save of it must have finished: each copies its own part.
+        if not all(_multihost.gather(f"{tag}/ready", "1" if (source / INDEX_FILE).is_file() else "")):
+            return  # a local save failed: the local manager reports that at the next call
         durable = dataclasses.replace(info, path=os.path.join(self._directory, name))
         if any(c.path == durable.path for c in self._infos):
             return  # already there (a restart that saved the same step again)
-        dest = self._path / name
-        if not _storage.is_checkpoint(dest):
-            _copy.copy_checkpoint(source, dest)
-        self._record(durable, f"copy-{name}")
+        if not _storage.is_checkpoint(self._path / name):
+            _copy.copy_checkpoint(source, self._path / name, tag=tag)
+        self._record(durable, tag)
         self.copied.append(durable.path)
 
     def _report_failed_copy(self) -> None:
@@ -214,12 +226,20 @@ class TieredManager(CheckpointManager):
         newest = self._newest(None)
         return newest[0].step if newest else None
 
-    def _newest(self, step: int | None) -> list[CheckpointInfo]:
+    def _newest(self, step: int | None, agree: bool = False) -> list[CheckpointInfo]:
         """The checkpoints to try, best first: the newest local one (if it is at least as new as the
-        newest durable one), then the newest durable one; only those of ``step`` if given."""
+        newest durable one), then the newest durable one; only those of ``step`` if given. With
+        ``agree``, in a multi-process run, the local one only if every process has that step locally
+        (each holds only its own regions there)."""
         self._background.settle()
         local = [c for c in self._local.checkpoint_infos if step is None or c.step == step]
         durable = [c for c in self._infos if step is None or c.step == step]
+        if agree and _multihost.process_count() > 1:
+            steps = _multihost.gather(
+                f"tiers/{self._directory}/{next(self._restores)}", str(local[-1].step if local else "")
+            )
+            if len(set(steps)) != 1:
+                local = []
         out = []
         if local and (not durable or local[-1].step >= durable[-1].step):
             out.append(local[-1])
@@ -248,15 +268,16 @@ class TieredManager(CheckpointManager):
         return restored[1]
 
     def _restore_newest(self, step: int | None) -> tuple[str, RestoreStatus] | None:
-        tried = self._newest(step)
+        tried = self._newest(step, agree=True)
         for i, info in enumerate(tried):
+            local = i + 1 < len(tried)
             try:
-                status = self._checkpoint.restore(info.path)
-            except (CheckpointFormatError, CheckpointNotFoundError) as e:  # damaged, or gone
-                if i + 1 == len(tried):
+                status = self._restore_from(info, agree=local and _multihost.process_count() > 1)
+            except JaxckptError as error:  # damaged, gone or unreadable: the durable tier may still serve
+                if not local:
                     raise
                 warnings.warn(
-                    f"The local checkpoint {info.path!r} cannot be restored ({e}); restoring the durable "
+                    f"The local checkpoint {info.path!r} cannot be restored ({error}); restoring the durable "
                     f"{tried[i + 1].path!r} instead.",
                     stacklevel=3,
                 )
@@ -267,6 +288,31 @@ class TieredManager(CheckpointManager):
             self._local._restored()
             return info.path, status
         return None
+
+    def _restore_from(self, info: CheckpointInfo, *, agree: bool) -> RestoreStatus:
+        """Restore ``info``; with ``agree`` (a local copy, several processes), every process reads its
+        own copy first, and all of them go on to place the arrays (JAX's collectives take every
+        process) only if every one could: otherwise all raise."""
+        if not agree:
+            return self._checkpoint.restore(info.path)
+        name = f"tiers/{self._directory}/{next(self._restores)}"
+        said = []
+
+        def after_read(error: BaseException | None) -> None:
+            said.append(True)
+            failed = [p for p, ok in enumerate(_multihost.gather(name, "" if error else "1")) if not ok]
+            if failed and error is None:
+                raise CheckpointFormatError(f"process {failed[0]} could not read its own local copy of this step")
+
+        token = AFTER_READ.set(after_read)
+        try:
+            return self._checkpoint.restore(info.path)
+        except JaxckptError:
+            if not said:  # failed before reading (its index): still take part in the agreement
+                _multihost.gather(name, "")
+            raise
+        finally:
+            AFTER_READ.reset(token)
 
     def _drop_local_after(self, step: int) -> None:
         local = self._local

@@ -164,6 +164,35 @@ elif mode == "manager-retention":
     mine = [{"prefix": os.path.basename(c.path), "step": c.step, "time": c.time, "metrics": c.metrics} for c in infos]
     assert mine == listed, (mine, listed)
     assert [c["prefix"] for c in listed] == ["ckpt-2", "ckpt-3"], listed
+elif mode in ("tiers-save", "tiers-restore"):  # two tiers: each process's local disk, one durable folder
+    local, durable = os.path.join(path, f"local-{pid}"), os.path.join(path, "durable")
+
+    def stepped(step):
+        values = {
+            k: jax.make_array_from_callback(v.shape, sharding(k), lambda i, v=v: v[i] * step) for k, v in VALUES.items()
+        }
+        return {**values, "step": step}
+
+    options = dict(max_to_keep=2, local_directory=local, save_interval_steps=2, durable_interval_steps=4)
+    if mode == "tiers-save":
+        ckpt = jaxckpt.Checkpoint(state=stepped(0))
+        with jaxckpt.CheckpointManager(ckpt, durable, **options) as manager:
+            for step in range(1, 11):
+                ckpt.state = stepped(step)
+                manager.save(step=step)
+            manager.wait_until_finished()
+            assert [c.step for c in manager.local_checkpoint_infos] == [8, 10], manager.local_checkpoint_infos
+            assert manager.all_steps() == [4, 8], manager.all_steps()
+    else:
+        template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k)) for k, v in VALUES.items()}
+        ckpt = jaxckpt.Checkpoint(state={**template, "step": 0})
+        with jaxckpt.CheckpointManager(ckpt, durable, **options) as manager:
+            restored = manager.restore_or_initialize()
+        step = ckpt.state["step"]
+        for name, value in VALUES.items():
+            for shard in ckpt.state[name].addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index] * step, err_msg=name)
+        print(f"process {pid}: restored {restored} at step {step}", flush=True)
 print(f"process {pid}: {mode} ok", flush=True)
 if nproc > 1:
     jax.distributed.shutdown()

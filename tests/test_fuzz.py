@@ -171,6 +171,9 @@ _LAZY_IMPORTS = {
     "hypothesis",
     "_hypothesis",
     "encodings",
+    # the foreign-format readers' dependencies, imported when a folder is checked for their formats
+    "google_crc32c",
+    "msgpack",
 }
 
 
@@ -199,7 +202,11 @@ def guarded(headroom: int = 3 << 30):
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
         os.system = real_system
     # jaxckpt and JAX import some modules lazily; a class named in a checkpoint would be something else.
-    new = {m for m in set(sys.modules) - modules if m.split(".")[0] not in _LAZY_IMPORTS}
+    new = {
+        m
+        for m in set(sys.modules) - modules
+        if m.split(".")[0] not in _LAZY_IMPORTS and not m.startswith("_cython_")  # msgpack's compiled runtime
+    }
     assert not new, f"restoring imported {sorted(new)}"
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _format, _index_json
+from jaxckpt import _cli, _format, _index_json
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
@@ -161,3 +161,38 @@ def test_a_process_killed_mid_save_publishes_nothing(tmp_path, saved_by_two):
     with pytest.raises(jaxckpt.CheckpointNotFoundError):
         jaxckpt.restore(path)
     assert jaxckpt.restore(saved_by_two)["state"]["step"] == 7  # the previous checkpoint still restores
+
+
+def test_two_tiers_across_processes_restore_locally_only_if_every_process_can(tmp_path):
+    """Each process keeps its own local tier (its regions, the packs, the index); the durable copy is
+    the checkpoint all of them would have saved there. A restart restores the local step only if every
+    process has it; when one lost its local tier, every process restores the durable one."""
+    ok(run("tiers-save", tmp_path, nproc=2, ndev=2, mesh="2x2"), "tiers-save")
+    durable = tmp_path / "durable"
+    # The durable ckpt-8 is one whole checkpoint: one process without the others reads all of it.
+    assert jaxckpt.load_variable(durable / "ckpt-8", "state/step") == 8
+    rng = np.random.default_rng(7)  # the worker's values: "xy", then "rows"
+    rng.standard_normal((64, 48))
+    expected_rows = rng.standard_normal((512, 640)).astype(np.float32) * 8
+    np.testing.assert_array_equal(jaxckpt.load_variable(durable / "ckpt-8", "state/rows"), expected_rows)
+    assert _cli.main(["verify", str(durable)]) == 0
+    results = run("tiers-restore", tmp_path, nproc=2, ndev=2, mesh="2x2")
+    ok(results, "tiers-restore")
+    for i, (_, out) in enumerate(results):
+        assert f"restored {tmp_path / f'local-{i}' / 'ckpt-10'} at step 10" in out, out
+    # Process 1's local copy is damaged: it cannot restore it, so no process restores locally.
+    data = next((tmp_path / "local-1" / "ckpt-10" / "data.p1" / "d").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    results = run("tiers-restore", tmp_path, nproc=2, ndev=2, mesh="2x2")
+    ok(results, "tiers-restore")
+    for _, out in results:
+        assert f"restored {durable / 'ckpt-8'} at step 8" in out, out
+    import shutil
+
+    shutil.rmtree(tmp_path / "local-1")  # process 1's host was replaced
+    results = run("tiers-restore", tmp_path, nproc=2, ndev=2, mesh="2x2")
+    ok(results, "tiers-restore")
+    for _, out in results:
+        assert f"restored {durable / 'ckpt-8'} at step 8" in out, out
