@@ -29,6 +29,17 @@ local disk, and a new machine (no local tier) reads the bucket. A local checkpoi
 restore (damaged, or gone) falls back to the newest durable one, with a warning; local checkpoints
 newer than what was restored are then dropped, so that numbering continues from the restored step.
 
+**Disk pressure.** Before a local save, if the local disk has less free space than the latest
+local checkpoint takes, the local checkpoints that the durable tier already holds are dropped,
+oldest first (never the newest, nor one still being copied).
+
+**Several processes** (``jax.distributed``): each process keeps a whole copy of its own in its own
+``local_directory`` (its regions, the packs and the index); each copies the data store it owns to
+the durable tier, process 0 the index last, so the durable checkpoint is the one a save by all of
+them there would have made. A restore uses the local step only if every process lists it and could
+read its own copy; otherwise every process restores the newest durable checkpoint (which also
+serves another mesh or process count).
+
 **Listing.** Each directory holds a small ``checkpoint.tiers`` file naming both, so that
 ``jaxckpt ls`` on either shows the checkpoints of both tiers and where each lives.
 
@@ -42,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import shutil
 import sys
 import threading
 import time
@@ -132,6 +144,8 @@ class TieredManager(CheckpointManager):
         """Save to the local tier (see :meth:`CheckpointManager.save`); if the step is due for the
         durable tier (``durable_interval_steps``, or ``force``), copy it there in the background."""
         self._report_failed_copy()
+        self._local._background.wait()  # as the local save would first: its retention is done
+        self._make_room()
         path = self._local.save(checkpoint_number, check_interval, step=step, force=force, metrics=metrics)
         info = self._local._last_info
         if path is None or info is None:
@@ -139,6 +153,24 @@ class TieredManager(CheckpointManager):
         if force or self._every is None or info.step % self._every == 0:
             self._copy_later(info)
         return path
+
+    def _make_room(self) -> None:
+        """Under disk pressure (less free space on the local disk than the latest local checkpoint
+        takes), drop the local checkpoints that the durable tier already holds, oldest first, before
+        the next local save: the local tier caches the durable one. The newest stays, and so do
+        those not copied yet."""
+        local = self._local
+        if len(local._infos) < 2:
+            return
+        need = _storage.total_bytes(_storage.location(local._infos[-1].path)) or 0
+        free = shutil.disk_usage(local.directory).free
+        durable = {os.path.basename(c.path) for c in self._infos}
+        for c in local._infos[:-1]:
+            if free >= need:
+                return
+            if os.path.basename(c.path) in durable and c.path not in local._also_keep:
+                free += _storage.total_bytes(_storage.location(c.path)) or 0
+                self._keep_local([k for k in local._infos if k is not c])
 
     def should_save(self, step: int) -> bool:
         return self._local.should_save(step)
@@ -315,9 +347,12 @@ class TieredManager(CheckpointManager):
             AFTER_READ.reset(token)
 
     def _drop_local_after(self, step: int) -> None:
+        self._keep_local([c for c in self._local._infos if c.step <= step])
+
+    def _keep_local(self, kept: list[CheckpointInfo]) -> None:
+        """Keep only ``kept`` of the local tier: listed first, then the others deleted (as retention)."""
         local = self._local
         old = list(local._infos)
-        kept = [c for c in old if c.step <= step]
         if kept == old or local.read_only:
             return
         _statefile.write_state(local._path, kept, local._last_preserved)

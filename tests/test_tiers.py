@@ -268,3 +268,23 @@ def test_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="this host's disk"):
         _manager(ckpt, tmp_path / "d", "memory://local")
     assert not (tmp_path / "d").exists() or not any(Path(tmp_path / "d").iterdir())
+
+
+def test_under_disk_pressure_local_checkpoints_the_durable_tier_holds_go_first(tmp_path, monkeypatch):
+    ckpt = _fresh()
+    with _manager(ckpt, tmp_path / "durable", tmp_path / "local", local_policies=jaxckpt.KeepLatest(5)) as m:
+        _train(ckpt, m, 10)  # local: 2..10; durable: 4, 8
+        m.wait_until_finished()
+        assert [c.step for c in m.local_checkpoint_infos] == [2, 4, 6, 8, 10]
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1))  # a full disk
+        _train(ckpt, m, 12)
+        m.wait_until_finished()
+        # 4 and 8 are in the durable tier: dropped first; 2 and 6 exist nowhere else and stay.
+        assert [c.step for c in m.local_checkpoint_infos] == [2, 6, 10, 12]
+        assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("ckpt")) == [
+            "ckpt-10",
+            "ckpt-12",
+            "ckpt-2",
+            "ckpt-6",
+        ]
