@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _statefile, _storage
+from jaxckpt import _statefile
 from jaxckpt._describe import json_value, leaf_json, leaf_shape, leaf_type
 from jaxckpt._diff import diff
 from jaxckpt._errors import (
@@ -88,19 +88,6 @@ def _tree_ascii() -> bool:
         return False
     except (UnicodeEncodeError, LookupError):
         return True
-
-
-def not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointError:
-    """The error, with the checkpoints the folder holds, if any: the usual slip is one level too high."""
-    folder = _storage.location(path)
-    try:
-        found = [name for name in _storage.children(folder) if _storage.is_checkpoint(folder / name)]
-    except OSError:
-        found = []
-    if not found:
-        return error
-    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
-    return NotACheckpointError(f"{path!r} is not a checkpoint, but it holds checkpoints: {shown}. Pass one of them.")
 
 
 def _one_checkpoint(path: str) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -146,19 +146,9 @@ class PreemptionSaves:
     _background: Background
     _infos: list[CheckpointInfo]
 
-    if TYPE_CHECKING:
-
-        def save(
-            self,
-            checkpoint_number: int | None = None,
-            check_interval: bool = True,
-            *,
-            step: int | None = None,
-            force: bool = False,
-            metrics: Mapping[str, Any] | None = None,
-        ) -> str | None: ...
-
-        def close(self) -> None: ...
+    if TYPE_CHECKING:  # the manager's own
+        save: Callable[..., str | None]
+        close: Callable[[], None]
 
     def reached_preemption(self, step: int | None = None) -> bool:
         """Whether a preemption notice (SIGTERM) came and ``step`` is the step to save at.

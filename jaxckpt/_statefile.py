@@ -198,18 +198,8 @@ def is_tensorflow_state(data: bytes) -> bool:
 
 
 def latest_checkpoint(directory: PathLike) -> str | None:
-    """The latest checkpoint a manager recorded in ``directory``, or None if there is none.
-
-    Reads only the state file (no lock needed: it is replaced atomically)::
-
-        path = jaxckpt.latest_checkpoint("ckpts")   # "ckpts/ckpt-10"
-        if path is not None:
-            ckpt.restore(path)
-
-    It sees what is recorded on disk now: a manager's asynchronous ``save()`` records its checkpoint
-    in the background, so right after ``save()`` returns this may still name the previous one. Call
-    ``manager.wait_until_finished()`` first, or ask the manager (``manager.latest_checkpoint`` waits).
-    """
+    """The latest checkpoint a manager recorded in ``directory`` (its state file alone), or None;
+    :func:`jaxckpt.latest_checkpoint` (``_open``) reads other libraries' directories too."""
     infos = read_state(os.fspath(directory))
     return infos[-1].path if infos else None
 

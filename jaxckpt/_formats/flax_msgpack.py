@@ -47,7 +47,7 @@ from jaxckpt._errors import (
     StorageError,
 )
 from jaxckpt._format import DTYPES, MAX_DEPTH, MAX_RANK, NUMPY, NUMPY_SCALAR, ArrayLeaf, InForeign
-from jaxckpt._formats import EMPTY_DICT, Entry, value_leaf
+from jaxckpt._formats import EMPTY_DICT, Entry, read_head, value_leaf
 
 NAME = "Flax msgpack"
 SUFFIX = ".msgpack"
@@ -60,22 +60,6 @@ MAX_STR = 64 << 20
 
 
 # --- detection ------------------------------------------------------------------------------------
-
-
-def _head(path: str, n: int) -> bytes | None:
-    """The first ``n`` bytes of the regular file at ``path``, or None if it is not a regular file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.pread(fd, n, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _looks_like_state_dict(head: bytes) -> bool:
@@ -113,7 +97,7 @@ def _looks_like_state_dict(head: bytes) -> bool:
 
 def detect(path: str) -> bool:
     """A regular file named ``*.msgpack``, or one whose bytes begin as a flax state dict does."""
-    head = _head(path, 40)
+    head = read_head(path, 40)
     if head is None:
         return False
     return path.endswith(SUFFIX) or _looks_like_state_dict(head)
@@ -131,7 +115,7 @@ def _legacy_steps(directory: str) -> list[tuple[int, str]]:
             continue
         path = os.path.join(directory, name)
         # Orbax-backed flax checkpoints are folders with these names: not ours.
-        head = _head(path, 40)
+        head = read_head(path, 40)
         if head is not None and _looks_like_state_dict(head):
             out.append((int(m.group(1)), path))
     return sorted(out)

@@ -45,7 +45,7 @@ from jaxckpt._errors import (
     UnsupportedValueError,
 )
 from jaxckpt._format import MAX_RANK, NUMPY, ArrayLeaf, InForeign
-from jaxckpt._formats import Entry
+from jaxckpt._formats import Entry, read_head
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"
@@ -86,27 +86,10 @@ def _st_name(dtype: np.dtype) -> str | None:
 # --- detection ------------------------------------------------------------------------------------
 
 
-def _head(path: str, n: int) -> bytes | None:
-    """The first ``n`` bytes of the regular file at ``path`` (fewer if it is shorter), or None if
-    it is not a regular file. Never blocks on a FIFO."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.pread(fd, n, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
 def detect(path: str) -> bool:
     """A regular file named ``*.safetensors``, or one whose first bytes are a plausible header
     length followed by ``{"``."""
-    head = _head(path, 10)
+    head = read_head(path, 10)
     if head is None:
         return False
     if path.endswith(SUFFIX):
