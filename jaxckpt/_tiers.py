@@ -250,7 +250,8 @@ class TieredManager(CheckpointManager):
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """The newest checkpoint in either tier (the local one when both hold its step)."""
+        """The newest checkpoint in either tier (the local one when both hold its step); waits for a
+        local save, never for a durable copy (which lists its checkpoint once it is whole)."""
         newest = self._newest(None)
         return newest[0].path if newest else None
 
@@ -262,8 +263,11 @@ class TieredManager(CheckpointManager):
         """The checkpoints to try, best first: the newest local one (if it is at least as new as the
         newest durable one), then the newest durable one; only those of ``step`` if given. With
         ``agree``, in a multi-process run, the local one only if every process has that step locally
-        (each holds only its own regions there)."""
-        self._background.settle()
+        (each holds only its own regions there), after the running durable copy: every process then
+        sees the same durable list. Without, it does not wait for a copy (a listing, not a restore)."""
+        if agree:
+            self._background.settle()
+        self._local._background.settle()
         local = [c for c in self._local.checkpoint_infos if step is None or c.step == step]
         durable = [c for c in self._infos if step is None or c.step == step]
         if agree and _multihost.process_count() > 1:

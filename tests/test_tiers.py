@@ -134,6 +134,8 @@ def test_a_slow_copy_never_blocks_saving(tmp_path, monkeypatch):
         _train(ckpt, m, 4)  # the copy of ckpt-4 starts and is held
         assert started.wait(timeout=60)
         _train(ckpt, m, 12)  # 8 and 12 come due while 4 is held: 8 is skipped for 12
+        assert m.latest_checkpoint == str(tmp_path / "local" / "ckpt-12")  # a listing does not wait for the copy
+        assert m.latest_step() == 12
         m._local.wait_until_finished()
         assert [c.step for c in m.local_checkpoint_infos] == [4, 12]  # 4 kept while copied; 8 dropped
         gate.set()
