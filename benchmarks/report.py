@@ -18,6 +18,7 @@ GIB = 1 << 30
 WORKLOAD_TEXT = {
     "large": "16 float32 arrays (64 MiB each; 2 MiB with --quick), one device",
     "many": "small float32 leaves in transformer-like blocks of 10 (widths 32..72), one device",
+    "huge": "100,000 small float32 leaves: `many` ten times over, one device",
     "sharded": "8 float32 arrays on 8 host devices, saved from a (4,2) mesh with 8 mixed PartitionSpecs, restored onto (2,4)",
     "train_state": "Flax linen decoder + optax adamw state + step (51.1M params; 0.66M with --quick), one device",
 }

@@ -197,8 +197,8 @@ def main() -> int:
     names = [w for w in args.workloads.split(",") if w]
     libs = {x for x in args.libs.split(",") if x}
     for w in names:
-        if w not in wl.WORKLOADS:
-            parser.error(f"unknown workload {w!r}; choose from {', '.join(wl.WORKLOADS)}")
+        if w not in wl.WORKLOADS + wl.EXTRA_WORKLOADS:
+            parser.error(f"unknown workload {w!r}; choose from {', '.join(wl.WORKLOADS + wl.EXTRA_WORKLOADS)}")
     reps = args.reps or (1 if args.quick else 3)
     ops = [op for op in OPS if op.split("_")[0] in libs]
     work = os.path.abspath(args.work)

@@ -21,6 +21,8 @@ import numpy as np
 # Bump when the generated data or the specs change, so cached data files are rebuilt.
 GENERATOR_VERSION = 3
 WORKLOADS = ("large", "many", "sharded", "train_state")
+# Chosen by name only (--workloads huge), not part of a full run: 100,000 leaves (issue 14).
+EXTRA_WORKLOADS = ("huge",)
 
 SAVE_MESH = (4, 2)
 RESTORE_MESH = (2, 4)
@@ -47,9 +49,14 @@ def _large(quick: bool) -> list[dict[str, Any]]:
     return [_leaf(f"layer_{i:02d}/kernel", shape) for i in range(16)]
 
 
-def _many(quick: bool) -> list[dict[str, Any]]:
+def _huge(quick: bool) -> list[dict[str, Any]]:
+    """100,000 leaves: ``many`` ten times over (a very deep model, or per-layer optimizer states)."""
+    return _many(quick, blocks=1000 if quick else 10_000)
+
+
+def _many(quick: bool, blocks: int | None = None) -> list[dict[str, Any]]:
     """10,000 leaves in 1,000 transformer-like blocks of 10; widths vary from block to block."""
-    blocks = 100 if quick else 1000
+    blocks = blocks or (100 if quick else 1000)
     widths = (32, 40, 48, 56, 64, 72)
     leaves = []
     for b in range(blocks):
@@ -124,7 +131,8 @@ def _train_state(quick: bool) -> list[dict[str, Any]]:
 
 
 def make_spec(name: str, quick: bool) -> dict[str, Any]:
-    leaves = {"large": _large, "many": _many, "sharded": _sharded, "train_state": _train_state}[name](quick)
+    makers = {"large": _large, "many": _many, "huge": _huge, "sharded": _sharded, "train_state": _train_state}
+    leaves = makers[name](quick)
     offset = 0
     for leaf in leaves:
         leaf["nbytes"] = int(np.prod(leaf["shape"], dtype=np.int64)) * np.dtype(leaf["dtype"]).itemsize
