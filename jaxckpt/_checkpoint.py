@@ -26,7 +26,17 @@ from jaxckpt._format import ValueLeaf
 from jaxckpt._open import open_checkpoint
 from jaxckpt._reader import Opened
 from jaxckpt._restore import KeyMap, RestoreStatus, mapped, summarize
-from jaxckpt._tree import CHECKPOINT, PathLike, describe, escape_edge, flatten, join, placeholders_message, rebuild
+from jaxckpt._tree import (
+    CHECKPOINT,
+    PathLike,
+    describe,
+    escape_edge,
+    flatten,
+    gc_paused,
+    join,
+    placeholders_message,
+    rebuild,
+)
 
 SAVE_COUNTER = "save_counter"
 
@@ -438,6 +448,7 @@ class Checkpoint:
         """Block until a background save of this Checkpoint is done; raise its error if it failed."""
         self._background.wait()
 
+    @gc_paused
     def restore(self, save_path: PathLike | None, *, key_map: KeyMap | None = None) -> RestoreStatus:
         """Restore values from ``save_path`` into the children; ``None`` restores nothing.
 

@@ -45,7 +45,7 @@ from jaxckpt._format import (
     prng_key_data_shape,
 )
 from jaxckpt._tree import CHECKPOINT as CHECKPOINT_KIND
-from jaxckpt._tree import NodeInfo, child_keys, describe, is_node_kind
+from jaxckpt._tree import NodeInfo, child_keys, describe, gc_paused, is_node_kind
 
 # What a store, an array and a pack may be named in an index: nothing else gets near a path.
 _STORE = re.compile(r"^data(\.p[1-9][0-9]{0,5})?$")
@@ -97,6 +97,7 @@ def _canonical(body: Mapping[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+@gc_paused
 def encode_index(index: Index) -> bytes:
     """The index file: compact canonical JSON with a crc32 of itself (without the checksum field)."""
     deepest = _deepest(index.nodes)
@@ -156,6 +157,7 @@ def _nonneg_int(obj: Any, name: str, where: str) -> int:
     return value
 
 
+@gc_paused
 def decode_index(data: bytes, where: str) -> Index:
     """Parse and validate an index; ``where`` names the file in messages."""
     try:

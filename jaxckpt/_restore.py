@@ -21,7 +21,7 @@ from jaxckpt._format import NUMPY, ArrayLeaf, InForeign, Leaf, ValueLeaf, scalar
 from jaxckpt._open import open_latest
 from jaxckpt._reader import ForeignOpened, Opened
 from jaxckpt._templates import NO_TEMPLATE
-from jaxckpt._tree import PathLike, build, flatten, placeholders_message, rebuild, unescape_edge
+from jaxckpt._tree import PathLike, build, flatten, gc_paused, placeholders_message, rebuild, unescape_edge
 
 
 def summarize(keys: Iterable[str], limit: int = 20) -> str:
@@ -239,6 +239,7 @@ def mapped(opened: Opened, key_map: KeyMap) -> ForeignOpened:
     return view
 
 
+@gc_paused
 def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, key_map: KeyMap | None = None) -> Any:
     """Restore the checkpoint at ``path``.
 

@@ -33,7 +33,7 @@ from jaxckpt._format import (
     dtype_name,
 )
 from jaxckpt._index_json import encode_index
-from jaxckpt._tree import PathLike, describe, flatten, is_state_object, not_utf8
+from jaxckpt._tree import PathLike, describe, flatten, gc_paused, is_state_object, not_utf8
 from jaxckpt._version import __version__
 
 
@@ -314,6 +314,7 @@ class Prepared:
     writers: dict[str, _tensorstore.Writer] = dataclasses.field(default_factory=dict)
 
 
+@gc_paused
 def prepare(
     path: PathLike, root: Any, *, overwrite: bool = False, budget: int | None = None, own_copy: bool = False
 ) -> Prepared:

@@ -26,11 +26,13 @@ restores into any other:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import os
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, NamedTuple, TypeGuard
+from typing import Any, Final, Literal, NamedTuple, ParamSpec, TypeGuard, TypeVar
 
 import jax
 import numpy as np
@@ -70,6 +72,28 @@ class _Node(NamedTuple):
     info: NodeInfo
     children: list[Any]
     rebuild: Callable[[list[Any]], Any]
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` run with Python's cyclic garbage collector paused (the caller's per-leaf work of a save
+    or a restore). Each leaf makes a few objects, and with 100,000 leaves the collections that
+    these trigger scan ever more of them: a save took 16x as long for 10x the leaves, 10x without."""
+
+    @functools.wraps(fn)
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not gc.isenabled():  # paused already (an outer call, or the user's choice)
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
 
 
 # --- edges and keys --------------------------------------------------------------------------
