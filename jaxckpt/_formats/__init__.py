@@ -32,7 +32,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from jaxckpt._errors import CheckpointFormatError
+from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError, StorageError
 from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
 from jaxckpt._tree import DICT, NodeInfo, escape_edge, join
 
@@ -195,3 +195,19 @@ def read_head(path: str, n: int) -> bytes | None:
         return None
     finally:
         os.close(fd)
+
+
+def open_regular(path: str, what: str) -> int:
+    """A descriptor of the regular file ``path``, the one file of a ``what`` checkpoint
+    ("Flax msgpack", "safetensors"); never blocks on a FIFO. Missing: CheckpointNotFoundError;
+    refused by the storage: StorageError; not a regular file: CheckpointFormatError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"No {what} file at {path!r}.") from None
+    except OSError as e:
+        raise StorageError(f"Cannot open {path!r}: {e.strerror}.", e.errno) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointFormatError(f"{path!r} is not a regular file; a {what} checkpoint is one file.")
+    return fd

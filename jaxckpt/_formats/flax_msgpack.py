@@ -33,7 +33,6 @@ import dataclasses
 import math
 import os
 import re
-import stat
 from typing import Any, Literal
 
 import msgpack
@@ -42,12 +41,10 @@ import numpy as np
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointFormatError,
-    CheckpointNotFoundError,
     JaxckptError,
-    StorageError,
 )
 from jaxckpt._format import DTYPES, MAX_DEPTH, MAX_RANK, NUMPY, NUMPY_SCALAR, ArrayLeaf, InForeign
-from jaxckpt._formats import EMPTY_DICT, Entry, read_head, value_leaf
+from jaxckpt._formats import EMPTY_DICT, Entry, open_regular, read_head, value_leaf
 
 NAME = "Flax msgpack"
 SUFFIX = ".msgpack"
@@ -376,16 +373,8 @@ def open(path: str) -> MsgpackReader:
 
 def _read_whole(path: str) -> bytes:
     """The file's bytes: a regular file, read to the size fstat gave (nothing unbounded)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"No Flax msgpack file at {path!r}.") from None
-    except OSError as e:
-        raise StorageError(f"Cannot open {path!r}: {e.strerror}.", e.errno) from None
+    fd = open_regular(path, NAME)
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise CheckpointFormatError(f"{path!r} is not a regular file; a Flax msgpack checkpoint is one file.")
     with os.fdopen(fd, "rb") as f:
         data = f.read(info.st_size)
     if len(data) < info.st_size:

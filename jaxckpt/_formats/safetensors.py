@@ -28,7 +28,6 @@ import json
 import math
 import os
 import re
-import stat
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -45,7 +44,7 @@ from jaxckpt._errors import (
     UnsupportedValueError,
 )
 from jaxckpt._format import MAX_RANK, NUMPY, ArrayLeaf, InForeign
-from jaxckpt._formats import Entry, read_head
+from jaxckpt._formats import Entry, open_regular, read_head
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"
@@ -138,7 +137,7 @@ class SafetensorsReader:
         return CheckpointFormatError(f"{self.path!r}: {what}; it is not a valid safetensors file.")
 
     def _parse(self) -> None:
-        fd = _open_regular(self.path)
+        fd = open_regular(self.path, NAME)
         try:
             size = os.fstat(fd).st_size
             prefix = _pread_exact(fd, 8, 0)
@@ -251,7 +250,7 @@ class SafetensorsReader:
         dtype, shape, begin, nbytes = self._tensors[name]
         # np.empty is aligned for every dtype here; bytes land in it directly, with no other copy.
         buf = np.empty(nbytes, np.uint8)
-        fd = _open_regular(self.path)
+        fd = open_regular(self.path, NAME)
         try:
             got = _readinto(fd, buf.data, begin)  # .data: the array's memoryview
         finally:
@@ -291,19 +290,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _open_regular(path: str) -> int:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"No safetensors file at {path!r}.") from None
-    except OSError as e:
-        raise StorageError(f"Cannot open {path!r}: {e.strerror}.", e.errno) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointFormatError(f"{path!r} is not a regular file; a safetensors checkpoint is one file.")
-    return fd
 
 
 def _readinto(fd: int, view: memoryview, offset: int) -> int:
