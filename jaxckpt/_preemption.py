@@ -184,8 +184,13 @@ class PreemptionSaves:
         if not self.reached_preemption(step):
             return
         self._background.wait()
-        counted = self._options.step_counter is not None and self._infos  # steps in the state file are comparable
-        if not (counted and self._infos[-1].step == self._options.read_step(self._checkpoint)):
+        if not self._holds_current_step(self._infos):
             self.save(checkpoint_number, force=True, metrics=metrics)
         self.close()  # waits for the save; raises its error instead of exiting cleanly
         raise SystemExit(exit_code)
+
+    def _holds_current_step(self, infos: list[CheckpointInfo]) -> bool:
+        """Whether the latest of ``infos`` holds the step counter's step (a preemption save would
+        repeat it). Only with a step counter are the steps in a state file comparable."""
+        counted = self._options.step_counter is not None and bool(infos)
+        return counted and infos[-1].step == self._options.read_step(self._checkpoint)

@@ -380,8 +380,7 @@ class TieredManager(CheckpointManager):
         deadline = time.monotonic() + self._grace
         self._local.wait_until_finished()
         infos = self._local.checkpoint_infos
-        counted = self._options.step_counter is not None and infos
-        if counted and infos[-1].step == self._options.read_step(self._checkpoint):
+        if self._holds_current_step(infos):
             path: str | None = infos[-1].path
             self._copy_later(infos[-1])
         else:
