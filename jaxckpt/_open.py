@@ -39,7 +39,14 @@ def open_latest(path: PathLike) -> Opened:
     TensorFlow's, Orbax's or Flax's manager keeps."""
     location = _storage.location(path)
     if not _storage.is_checkpoint(location):
-        foreign = _foreign_manager(location)  # first: TensorFlow's state file has jaxckpt's name
+        infos = _statefile.read_state(os.fspath(path))  # None: not a jaxckpt manager's directory
+        if infos is not None:
+            if not infos:
+                raise CheckpointNotFoundError(
+                    f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
+                )
+            return Opened(infos[-1].path)
+        foreign = _foreign_manager(location)
         if foreign is not None:
             module, latest = foreign
             if latest is None:
@@ -47,13 +54,7 @@ def open_latest(path: PathLike) -> Opened:
                     f"{os.fspath(path)!r} is a {module.NAME} manager's directory with no complete checkpoint in it."
                 )
             return open_checkpoint(latest)
-        infos = _statefile.read_state(os.fspath(path))  # None: no state file, so not a manager's directory
-        if infos is not None:
-            if not infos:
-                raise CheckpointNotFoundError(
-                    f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
-                )
-            return Opened(infos[-1].path)
+        _statefile.read_full_state(os.fspath(path))  # a `checkpoint` file that no reader takes: say why
     try:
         return open_checkpoint(path)
     except NotACheckpointError as e:
@@ -86,8 +87,14 @@ def latest_checkpoint(directory: PathLike) -> str | None:
     ``checkpoint`` file: ``".../tf_ckpts/ckpt-5"``), Orbax's (the newest finished step folder) and
     ``flax.training.checkpoints``' (the newest ``checkpoint_<step>`` file).
     """
+    infos = _statefile.read_state(os.fspath(directory))
+    if infos is not None:
+        return infos[-1].path if infos else None
     foreign = _foreign_manager(_storage.location(directory))
-    return _statefile.latest_checkpoint(directory) if foreign is None else foreign[1]
+    if foreign is None:
+        _statefile.read_full_state(os.fspath(directory))  # a `checkpoint` file that no reader takes: say why
+        return None
+    return foreign[1]
 
 
 def not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointError:

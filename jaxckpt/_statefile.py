@@ -91,18 +91,24 @@ def _parse_entry(raw: object, where: _storage.Location, directory: str) -> Check
 
 
 def read_state(directory: str) -> list[CheckpointInfo] | None:
-    """The checkpoints the state file in ``directory`` lists, oldest first; None if it has none."""
-    state = read_full_state(directory)
+    """The checkpoints the state file in ``directory`` lists, oldest first; None if it has none, or
+    if its ``checkpoint`` file is TensorFlow's (for readers: not a jaxckpt manager's directory)."""
+    state = read_full_state(directory, tensorflow_is_none=True)
     return None if state is None else state[0]
 
 
-def read_full_state(directory: str) -> tuple[list[CheckpointInfo], float | None] | None:
-    """The listed checkpoints and the recorded ``last_preserved_time``; None without a state file."""
+def read_full_state(
+    directory: str, *, tensorflow_is_none: bool = False
+) -> tuple[list[CheckpointInfo], float | None] | None:
+    """The listed checkpoints and the recorded ``last_preserved_time``; None without a state file.
+
+    TensorFlow's state file has the same name: it is refused (a manager never writes over it), or
+    with ``tensorflow_is_none`` taken for no state file (what a reader of the folder wants)."""
     folder = _storage.location(directory)
     where = folder / STATE_FILE
     try:
         data = _storage.read_file(folder, STATE_FILE)
-        if data is None:
+        if data is None or (tensorflow_is_none and is_tensorflow_state(data)):
             return None
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
