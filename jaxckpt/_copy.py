@@ -23,15 +23,15 @@ from jaxckpt._format import INDEX_FILE, data_store
 from jaxckpt._storage import Location
 
 
-def files_of(source: Path) -> list[str]:
-    """The files of the checkpoint at ``source`` (relative, ``/``-separated), the index last."""
+def data_files(source: Path) -> list[str]:
+    """The files of the checkpoint at ``source`` but its index (relative, ``/``-separated), sorted."""
     out = []
     for folder, _, files in os.walk(source):
         for name in files:
             rel = os.path.relpath(os.path.join(folder, name), source).replace(os.sep, "/")
             if rel != INDEX_FILE:
                 out.append(rel)
-    return [*sorted(out), INDEX_FILE]
+    return sorted(out)
 
 
 def copy_checkpoint(
@@ -52,7 +52,7 @@ def copy_checkpoint(
     """
     me, many = _multihost.process_index(), _multihost.process_count() > 1
     mine = data_store(me)
-    files = [f for f in files_of(source)[:-1] if not many or f.split("/", 1)[0] == mine]
+    files = [f for f in data_files(source) if not many or f.split("/", 1)[0] == mine]
     name = tag if tag is not None else uuid.uuid4().hex
     token = hashlib.sha256(name.encode()).hexdigest()[:12]  # the same on every process, without a round trip
     if me == 0:  # first, so that a stale staging folder of the same token is gone before others write

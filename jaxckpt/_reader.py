@@ -390,7 +390,6 @@ class ForeignOpened(Opened):
         self.path = checkpoint.path
         self.location = _storage.location(checkpoint.path)
         self.index = checkpoint.index
-        self._read_keys: set[str] = set()
 
     def exists(self) -> bool:
         path = self.checkpoint.path
@@ -401,7 +400,6 @@ class ForeignOpened(Opened):
         for key in wanted:
             if isinstance(self.index.leaves[key], ArrayLeaf):
                 out[key] = self.checkpoint.read(key)
-                self._read_keys.add(key)
         return out
 
     @property

@@ -267,7 +267,6 @@ class TieredManager(CheckpointManager):
         sees the same durable list. Without, it does not wait for a copy (a listing, not a restore)."""
         if agree:
             self._background.settle()
-        self._local._background.settle()
         local = [c for c in self._local.checkpoint_infos if step is None or c.step == step]
         durable = [c for c in self._infos if step is None or c.step == step]
         if agree and _multihost.process_count() > 1:
