@@ -7,6 +7,10 @@
 memory (see /work/shared/BENCHMARKING.md: freed memory goes back to the host after 10-15 s and costs
 about 2 s/GiB to touch again: 3x the checkpoint's size plus 512 MiB), resets the peak-RSS counter, times the operation, reads VmHWM, then
 checks the result (untimed) and writes one JSON object to RESULT_JSON.
+
+An op ending in ``_cold`` is the op before the suffix with the page cache dropped (``sync``, then
+``3`` into /proc/sys/vm/drop_caches; root only) after the pre-touch, just before timing starts; where
+the caches cannot be dropped it records status "n/a" rather than a hot figure.
 """
 
 from __future__ import annotations
@@ -32,14 +36,19 @@ OPS = (
     "floor_write",
     "floor_write_fsync",
     "floor_read",
+    "floor_read_put",
+    "floor_read_put_cold",
     "floor_copy",
     "jaxckpt_save",
     "jaxckpt_restore",
+    "jaxckpt_restore_cold",
     "jaxckpt_async_save",
     "orbax_save",
     "orbax_restore",
+    "orbax_restore_cold",
     "orbax_async_save",
 )
+DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 
 def import_jaxckpt() -> Any:
@@ -83,6 +92,17 @@ def pretouch(nbytes: int) -> float:
         left -= b.size
     del blocks, b
     return time.perf_counter() - t
+
+
+def drop_page_cache() -> str | None:
+    """``sync`` and drop the page cache (clean pages, dentries, inodes); None if done, else why not."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3")
+    except OSError as e:
+        return f"cannot drop caches ({DROP_CACHES}: {e.strerror or e}; needs root and a writable /proc/sys)"
+    return None
 
 
 def reset_peak() -> int:
@@ -130,6 +150,35 @@ def floor_write(leaves: list[np.ndarray], path: str, fsync: bool) -> None:
 
 def floor_read(spec: dict[str, Any], path: str) -> list[np.ndarray]:
     return wl.read_leaves(spec, path)  # the same reads that load a workload's data
+
+
+def aligned_buffer(nbytes: int, align: int = 64) -> np.ndarray:
+    """``nbytes`` uint8 whose first byte is ``align``-aligned (so a CPU ``device_put`` can alias it)."""
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes]
+
+
+def floor_read_put(spec: dict[str, Any], path: str, shardings: list[Any]) -> list[Any]:
+    """The restore floor: every leaf ``readinto`` its own 64-byte-aligned buffer, then one batched
+    ``jax.device_put`` of all of them onto their target shardings."""
+    import jax
+
+    host = []
+    with open(path, "rb", buffering=0) as f:
+        for leaf in spec["leaves"]:
+            buf = aligned_buffer(leaf["nbytes"])
+            view = memoryview(buf)
+            done = 0
+            while done < leaf["nbytes"]:
+                got = f.readinto(view[done:])
+                if not got:
+                    raise EOFError(f"{path} ends inside leaf {leaf['key']}")
+                done += got
+            host.append(buf.view(leaf["dtype"]).reshape(leaf["shape"]))
+    arrays = jax.device_put(host, shardings)
+    jax.block_until_ready(arrays)
+    return arrays
 
 
 def jaxckpt_async_api() -> tuple[Callable[[str, Any], None], Callable[[], None]] | None:
@@ -216,19 +265,23 @@ def run(workdir: str, op: str, result_path: str, touch_extra: int) -> None:
     size = spec["nbytes"]
     result: dict[str, Any] = {"op": op, "workload": spec["workload"], "nbytes": size, "status": "ok"}
     lib = op.split("_")[0]
+    cold = op.endswith("_cold")
+    base = op.removesuffix("_cold")  # what is timed; "_cold" only drops the page cache first
     target = {
         "floor_write": "floor.bin",
         "floor_write_fsync": "floor.bin",
         "floor_read": "floor.bin",
+        "floor_read_put": "floor.bin",
         "jaxckpt_save": "jaxckpt",
         "jaxckpt_restore": "jaxckpt",
         "jaxckpt_async_save": "jaxckpt_async",
         "orbax_save": "orbax",
         "orbax_restore": "orbax",
         "orbax_async_save": "orbax_async",
-    }.get(op)
+    }.get(base)
     path = os.path.join(out_dir, target) if target else None
-    writes = op.endswith("save") or op.startswith("floor_write")
+    writes = base.endswith("save") or base.startswith("floor_write")
+    restores = base.endswith("restore") or base == "floor_read_put"  # builds arrays on the target shardings
 
     # Untimed setup: imports, input data, the library objects.
     tree = abstract = targets = None
@@ -246,22 +299,23 @@ def run(workdir: str, op: str, result_path: str, touch_extra: int) -> None:
     if lib == "orbax":
         ocp = quiet_orbax()
         # Orbax's defaults; the synchronous Checkpointer for "save", StandardCheckpointer otherwise.
-        if op == "orbax_save":
+        if base == "orbax_save":
             checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         else:
             checkpointer = ocp.StandardCheckpointer()
-    if lib == "floor":
-        if op != "floor_read":
+    if lib == "floor" and not restores:
+        if base != "floor_read":
             leaves = wl.read_leaves(spec, data)
     else:
         import jax
 
-        if op.endswith("restore"):
+        if restores:
             targets = [
                 jax.ShapeDtypeStruct(tuple(leaf["shape"]), np.dtype(leaf["dtype"]), sharding=s)
                 for leaf, s in zip(spec["leaves"], wl.shardings(spec, wl.RESTORE_MESH))
             ]
-            abstract = wl.build_tree(spec, targets)
+            if lib != "floor":
+                abstract = wl.build_tree(spec, targets)
         else:
             host = wl.read_leaves(spec, data)
             arrays = [jax.device_put(x, s) for x, s in zip(host, wl.shardings(spec, wl.SAVE_MESH))]
@@ -271,13 +325,21 @@ def run(workdir: str, op: str, result_path: str, touch_extra: int) -> None:
             del arrays
     if writes and path:
         remove(path)
-    if op.endswith("read") or op.endswith("restore"):
+    if base == "floor_read" or restores:
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: run the matching save first")
 
     gc.collect()
     result["pretouch_bytes"] = touch = 3 * size + touch_extra
     result["pretouch_seconds"] = pretouch(touch)
+    if cold:
+        t = time.perf_counter()
+        why = drop_page_cache()
+        if why is not None:
+            result.update({"status": "n/a", "why": why})
+            _write(result_path, result)
+            return
+        result["drop_caches_seconds"] = time.perf_counter() - t
     rss0 = reset_peak()
     cpu0 = cpu_seconds()
     profiler = None
@@ -287,7 +349,7 @@ def run(workdir: str, op: str, result_path: str, touch_extra: int) -> None:
         profiler = cProfile.Profile()
         profiler.enable()
 
-    timing, produced = timed_operation(op, path, spec, leaves, tree, abstract, async_api, checkpointer)
+    timing, produced = timed_operation(base, path, spec, leaves, tree, abstract, targets, async_api, checkpointer)
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(os.environ["BENCH_CPROFILE"])
@@ -302,14 +364,16 @@ def run(workdir: str, op: str, result_path: str, touch_extra: int) -> None:
     # Untimed checks and counts.
     if writes and path:
         result["files"], result["disk_bytes"] = tree_files(path)
-    if op.endswith("restore"):
+    if base.endswith("restore"):
         import jax
 
         result["same_structure"] = jax.tree_util.tree_structure(produced) == jax.tree_util.tree_structure(abstract)
         _check_restored(spec, data, _in_spec_order(spec, produced), targets)
-    elif op == "floor_read":
+    elif base == "floor_read_put":
+        _check_restored(spec, data, produced, targets)
+    elif base == "floor_read":
         _check_restored(spec, data, produced, None)
-    if op.endswith("async_save"):
+    if base.endswith("async_save"):
         remove(path)  # nothing reads it; free its page cache for what follows
     _write(result_path, result)
 
@@ -321,16 +385,19 @@ def timed_operation(
     leaves: list[np.ndarray],
     tree: Any,
     abstract: Any,
+    targets: list[Any] | None,
     async_api: tuple[Callable[[str, Any], None], Callable[[], None]] | None,
     checkpointer: Any,
 ) -> tuple[dict[str, float], Any]:
-    """The measured operation: returns ({"seconds", maybe "blocking"}, what it produced)."""
+    """The measured operation ``op`` (no "_cold" suffix): returns ({"seconds", maybe "blocking"}, what it produced)."""
     produced: Any = None
     t0 = time.perf_counter()
     if op in ("floor_write", "floor_write_fsync"):
         floor_write(leaves, path, fsync=op == "floor_write_fsync")
     elif op == "floor_read":
         produced = floor_read(spec, path)
+    elif op == "floor_read_put":
+        produced = floor_read_put(spec, path, [t.sharding for t in targets])
     elif op == "floor_copy":
         produced = [np.copy(x) for x in leaves]
     elif op == "jaxckpt_save":

@@ -28,6 +28,14 @@ ROWS: list[tuple[str, str, str, tuple[str, str] | None, tuple[str, str] | None]]
     ("floor: write to page cache (`tofile`)", "floor_write", "seconds", None, None),
     ("floor: durable write (`tofile` + fsync)", "floor_write_fsync", "seconds", None, None),
     ("floor: read, page cache hot (`fromfile`)", "floor_read", "seconds", None, None),
+    (
+        "floor: read into aligned buffers (`readinto`) + one `device_put`, hot",
+        "floor_read_put",
+        "seconds",
+        None,
+        None,
+    ),
+    ("floor: the same, page cache cold", "floor_read_put_cold", "seconds", None, None),
     ("floor: memory copy (`np.copy`)", "floor_copy", "seconds", None, None),
     ("**jaxckpt save**", "jaxckpt_save", "seconds", ("floor_write_fsync", "seconds"), ("orbax_save", "seconds")),
     ("Orbax save", "orbax_save", "seconds", ("floor_write_fsync", "seconds"), None),
@@ -35,10 +43,18 @@ ROWS: list[tuple[str, str, str, tuple[str, str] | None, tuple[str, str] | None]]
         "**jaxckpt restore**",
         "jaxckpt_restore",
         "seconds",
-        ("floor_read", "seconds"),
+        ("floor_read_put", "seconds"),
         ("orbax_restore", "seconds"),
     ),
-    ("Orbax restore", "orbax_restore", "seconds", ("floor_read", "seconds"), None),
+    ("Orbax restore", "orbax_restore", "seconds", ("floor_read_put", "seconds"), None),
+    (
+        "**jaxckpt restore, page cache cold**",
+        "jaxckpt_restore_cold",
+        "seconds",
+        ("floor_read_put_cold", "seconds"),
+        ("orbax_restore_cold", "seconds"),
+    ),
+    ("Orbax restore, page cache cold", "orbax_restore_cold", "seconds", ("floor_read_put_cold", "seconds"), None),
     (
         "**jaxckpt async save: blocks for**",
         "jaxckpt_async_save",
@@ -70,8 +86,10 @@ def median_of(results: dict[str, Any], workload: str, op: str, metric: str) -> f
 def _status(runs: list[dict[str, Any]]) -> str:
     if not runs:
         return "not run"
-    if any(r.get("status") == "n/a" for r in runs):
-        return "n/a"
+    na = [r for r in runs if r.get("status") == "n/a"]
+    if na:
+        why = na[0].get("why", "").split(" (")[0]  # e.g. "cannot drop caches"
+        return f"n/a: {why}" if why and len(why) <= 40 else "n/a"
     return "error"
 
 
@@ -126,6 +144,108 @@ def workload_table(results: dict[str, Any], workload: str) -> str:
     return "\n".join(lines)
 
 
+def _extra_rss(results: dict[str, Any], workload: str, op: str) -> float | None:
+    """Median (peak RSS - RSS at the start) / size of ``op``'s successful runs: the "+RSS / size" column."""
+    size = results["workloads"][workload]["nbytes"]
+    ok = [r for r in results["runs"].get(workload, {}).get(op, []) if r.get("status") == "ok" and "rss_peak" in r]
+    return statistics.median((r["rss_peak"] - r["rss_start"]) / size for r in ok) if ok else None
+
+
+# The targets of issue 14, each a ratio of medians: (workloads, what, how the figure is made, the
+# figure's two inputs as (op, metric) or an RSS op, ">=" or "<=", the bound). "a/b" is median(a) / median(b).
+Target = tuple[tuple[str, ...] | None, str, str, tuple[Any, ...], str, float]
+BIG = ("large", "sharded")
+TARGETS: list[Target] = [
+    (BIG, "save speed: durable-write floor / jaxckpt save", "ratio", ("floor_write_fsync", "jaxckpt_save"), ">=", 0.8),
+    (
+        BIG,
+        "cold restore speed: cold floor / jaxckpt cold restore",
+        "ratio",
+        ("floor_read_put_cold", "jaxckpt_restore_cold"),
+        ">=",
+        0.9,
+    ),
+    (
+        BIG,
+        "hot restore speed: read + `device_put` floor / jaxckpt restore",
+        "ratio",
+        ("floor_read_put", "jaxckpt_restore"),
+        ">=",
+        0.5,
+    ),
+    (("many",), "save: Orbax save / jaxckpt save", "ratio", ("orbax_save", "jaxckpt_save"), ">=", 15),
+    (("many",), "restore: Orbax restore / jaxckpt restore", "ratio", ("orbax_restore", "jaxckpt_restore"), ">=", 15),
+    (
+        ("many",),
+        "restore: jaxckpt restore / read + `device_put` floor",
+        "ratio",
+        ("jaxckpt_restore", "floor_read_put"),
+        "<=",
+        1.5,
+    ),
+    (
+        ("many",),
+        "async save blocks / synchronous save",
+        "ratio",
+        (("jaxckpt_async_save", "blocking"), "jaxckpt_save"),
+        "<=",
+        0.10,
+    ),
+    (
+        ("train_state",),
+        "save: jaxckpt save / durable-write floor",
+        "ratio",
+        ("jaxckpt_save", "floor_write_fsync"),
+        "<=",
+        1.25,
+    ),
+    (
+        ("train_state",),
+        "restore: jaxckpt restore / read + `device_put` floor",
+        "ratio",
+        ("jaxckpt_restore", "floor_read_put"),
+        "<=",
+        1.25,
+    ),
+    (None, "save memory: +RSS / size", "rss", ("jaxckpt_save",), "<=", 0.5),
+    (None, "restore memory: +RSS / size", "rss", ("jaxckpt_restore",), "<=", 1.2),
+    (None, "cold restore memory: +RSS / size", "rss", ("jaxckpt_restore_cold",), "<=", 1.2),
+]
+
+
+def _target_inputs(results: dict[str, Any], workload: str, kind: str, inputs: tuple[Any, ...]) -> tuple[Any, str]:
+    """(the figure or None, why it is missing)."""
+    if kind == "rss":
+        op = inputs[0]
+        value = _extra_rss(results, workload, op)
+        return value, "" if value is not None else f"`{op}` {_status(results['runs'][workload].get(op, []))}"
+    meds = []
+    for x in inputs:
+        op, metric = x if isinstance(x, tuple) else (x, "seconds")
+        m = median_of(results, workload, op, metric)
+        if m is None or m <= 0:
+            return None, f"`{op}` {_status(results['runs'][workload].get(op, []))}"
+        meds.append(m)
+    return meds[0] / meds[1], ""
+
+
+def targets_table(results: dict[str, Any]) -> str:
+    lines = ["| workload | target | wanted | measured | |", "|---|---|---:|---:|---|"]
+    for w in results["workloads"]:
+        for workloads, what, kind, inputs, cmp, bound in TARGETS:
+            if workloads is not None and w not in workloads:
+                continue
+            value, why = _target_inputs(results, w, kind, inputs)
+            unit = "" if kind == "rss" else "x"
+            wanted = f"{cmp} {bound:g}{unit}"
+            if value is None:
+                lines.append(f"| `{w}` | {what} | {wanted} | | n/a ({why}) |")
+                continue
+            met = value >= bound if cmp == ">=" else value <= bound
+            lines.append(f"| `{w}` | {what} | {wanted} | {value:.2f}{unit} | {'met' if met else '**missed**'} |")
+    return "\n".join(lines)
+
+
 def summary_table(results: dict[str, Any]) -> str:
     def cell(workload: str, op: str, metric: str = "seconds") -> str:
         m = median_of(results, workload, op, metric)
@@ -135,14 +255,17 @@ def summary_table(results: dict[str, Any]) -> str:
 
     lines = [
         "| workload | size | jaxckpt save | Orbax save | durable write floor | jaxckpt restore | Orbax restore "
-        "| read floor | jaxckpt async blocks / total | Orbax async blocks / total |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| read + put floor | jaxckpt / Orbax / floor restore, cold | jaxckpt async blocks / total "
+        "| Orbax async blocks / total |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for w, info in results["workloads"].items():
         lines.append(
             f"| `{w}` | {info['nbytes'] / 1e6:,.0f} MB | {cell(w, 'jaxckpt_save')} | {cell(w, 'orbax_save')} "
             f"| {cell(w, 'floor_write_fsync')} | {cell(w, 'jaxckpt_restore')} | {cell(w, 'orbax_restore')} "
-            f"| {cell(w, 'floor_read')} | {cell(w, 'jaxckpt_async_save', 'blocking')} / {cell(w, 'jaxckpt_async_save')} "
+            f"| {cell(w, 'floor_read_put')} | {cell(w, 'jaxckpt_restore_cold')} / {cell(w, 'orbax_restore_cold')} "
+            f"/ {cell(w, 'floor_read_put_cold')} "
+            f"| {cell(w, 'jaxckpt_async_save', 'blocking')} / {cell(w, 'jaxckpt_async_save')} "
             f"| {cell(w, 'orbax_async_save', 'blocking')} / {cell(w, 'orbax_async_save')} |"
         )
     return "\n".join(lines)
@@ -167,12 +290,31 @@ def render(results: dict[str, Any]) -> str:
         "",
         summary_table(results),
         "",
+        "## Targets (issue 14)",
+        "",
+        "Ratios of the medians below. Speed targets as the issue words them: for `large` and `sharded`, "
+        "floor time / jaxckpt time (1 is the floor; cold restores against the cold floor, hot ones against "
+        "the read + `device_put` floor); for `many`, Orbax time / jaxckpt time, and jaxckpt's restore and "
+        "async blocking against its floor and its own synchronous save; for `train_state`, jaxckpt time / "
+        "floor time. Memory: the **+RSS / size** column, for every workload. n/a: an input is missing "
+        "(not run, failed, or not measurable here)."
+        + (
+            " At --quick sizes fixed costs dominate: these verdicts only mean something on a full run."
+            if results["quick"]
+            else ""
+        ),
+        "",
+        targets_table(results),
+        "",
         "## Per workload",
         "",
         "Each figure is the median over the repetitions, each repetition a fresh subprocess with memory "
         "pre-touched (3x the size + 512 MiB) and the page cache as the previous operation left it (hot). "
+        "Rows marked cold ran after `sync` and `echo 3 > /proc/sys/vm/drop_caches` (as root; n/a where "
+        "that is not allowed), following the pre-touch. "
         "**x floor**: time / floor time (save and async total against the durable write, restore against "
-        "the read, async blocking against `np.copy`; 1.00x is the floor). **x Orbax**: jaxckpt time / "
+        "reading into 64-byte-aligned buffers plus one batched `jax.device_put` onto the restore's "
+        "shardings, cold against cold; async blocking against `np.copy`; 1.00x is the floor). **x Orbax**: jaxckpt time / "
         "Orbax time (below 1 is faster). **peak RSS / size**: VmHWM during the operation (reset by "
         "`clear_refs` just before it) / checkpoint size; **+RSS / size**: the same less the RSS at the start "
         "(for a save the tree is already resident; for a restore nothing is). **CPU s**: user + system CPU "

@@ -159,7 +159,7 @@ def run_op(workdir: str, op: str, devices: int, touch_extra: int, timeout: float
 
 
 def _line(workload: str, rep: int, reps: int, r: dict[str, Any]) -> str:
-    head = f"  {workload:<11} rep {rep + 1}/{reps} {r['op']:<19}"
+    head = f"  {workload:<11} rep {rep + 1}/{reps} {r['op']:<21}"
     if r["status"] != "ok":
         last = r.get("why") or (r.get("error", "").strip().splitlines() or ["?"])[-1]
         return f"{head} {r['status']}: {last}"
