@@ -74,8 +74,20 @@ def test_ten_thousand_leaves_make_a_handful_of_files(tmp_path):
     tree["big"] = [rng.standard_normal(300_000).astype(np.float32) for _ in range(10)]
     path = jaxckpt.save(tmp_path / "c", tree)
     files = _files(path)
-    assert len(files) <= 20, files
-    assert "index.json" in files and "data/manifest.ocdbt" in files
+    index = json.loads((Path(path) / "index.json").read_text())
+    # Format version 4: index.json, and per zarr3 array (each pack, each array of its own) its
+    # zarr.json and one file per shard; none of these arrays needs a second shard.
+    assert len(index["packs"]) == 1
+    assert {tree_key for tree_key, leaf in index["leaves"].items() if leaf["at"].get("pack") == 0} == {
+        f"layer{i}/w" for i in range(9_990)
+    }
+    own = [leaf["at"]["array"] for leaf in index["leaves"].values() if "array" in leaf["at"]]
+    assert len(own) == 10
+    assert len(files) == 1 + 2 * len(index["packs"]) + 2 * len(own), files
+    assert "index.json" in files
+    for folder in [pack["path"] for pack in index["packs"]] + own:
+        assert f"data/{folder}/zarr.json" in files
+        assert [f for f in files if f.startswith(f"data/{folder}/c/")], (folder, files)
     restored = jaxckpt.restore(path)
     np.testing.assert_array_equal(restored["layer9989"]["w"], tree["layer9989"]["w"])
     np.testing.assert_array_equal(restored["big"][9], tree["big"][9])
@@ -88,15 +100,18 @@ def test_arrays_are_readable_with_tensorstore_alone(tmp_path):
     small = np.arange(7, dtype=np.int16)
     path = Path(jaxckpt.save(tmp_path / "c", {"big": big, "small": small}))
     index = json.loads((path / "index.json").read_text())
-    data = {"driver": "ocdbt", "base": f"file://{path}/data/"}
+
+    def kvstore(folder):  # format version 4: each array is a zarr3 array in a plain folder
+        return {"driver": "file", "path": f"{path}/data/{folder}/"}
 
     at = index["leaves"]["big"]["at"]
-    store = ts.open({"driver": "zarr3", "kvstore": {**data, "path": at["array"] + "/"}}).result()
+    store = ts.open({"driver": "zarr3", "kvstore": kvstore(at["array"])}).result()
+    assert list(store.shape) == [700, 400] and store.dtype.name == "float32"
     np.testing.assert_array_equal(store.read().result(), big)
 
     at = index["leaves"]["small"]["at"]
     pack = index["packs"][at["pack"]]["path"]
-    store = ts.open({"driver": "zarr3", "kvstore": {**data, "path": pack + "/"}}).result()
+    store = ts.open({"driver": "zarr3", "kvstore": kvstore(pack)}).result()
     raw = store[at["offset"] : at["offset"] + at["nbytes"]].read().result()
     np.testing.assert_array_equal(raw.view("<i2"), small)
 
