@@ -353,7 +353,7 @@ def test_fuzzed_state_file_stress(tmp_path, manager_dir):
     _fuzz_state(tmp_path, manager_dir, STRESS_EXAMPLES // 3)
 
 
-# --- zarr.json and the OCDBT manifest: the files no index checksum covers ---------------------------
+# --- zarr.json, shard files and the OCDBT manifest: what no index checksum covers -----------------
 
 
 def _same_values(restored: dict, expected: dict) -> None:
@@ -362,11 +362,39 @@ def _same_values(restored: dict, expected: dict) -> None:
         assert np.asarray(restored[key]).tobytes() == np.asarray(expected[key]).tobytes(), key
 
 
-def _fuzz_store(tmp_path: Path, original: tuple[Path, dict], examples: int, damage) -> Outcomes:
+def _same_golden(restored: Any, expected: Any) -> None:
+    """Like :func:`_same_values`, for the golden tree: every leaf, bit for bit."""
+    if isinstance(expected, dict):
+        assert set(restored) == set(expected)
+        for k in expected:
+            _same_golden(restored[k], expected[k])
+    elif isinstance(expected, (list, tuple)):
+        assert len(restored) == len(expected)
+        for r, e in zip(restored, expected):
+            _same_golden(r, e)
+    elif isinstance(expected, (np.ndarray, np.generic)):
+        assert np.asarray(restored).dtype == expected.dtype
+        assert np.asarray(restored).tobytes() == np.asarray(expected).tobytes()
+    else:
+        assert restored == expected
+
+
+def _golden_v3() -> tuple[Path, Any]:
+    """tests/golden/v3 (an OCDBT data store) and the function giving its content."""
+    sys.path.insert(0, str(Path(__file__).parent / "golden"))
+    from make_golden import golden_tree
+
+    return Path(__file__).parent / "golden" / "v3", golden_tree
+
+
+def _fuzz_store(
+    tmp_path: Path, original: tuple[Path, dict], examples: int, damage, tree=None, same=_same_values
+) -> Outcomes:
     """Restore and verify a copy of the checkpoint after ``damage(data, work)``, many times over."""
     source, _ = original
+    tree = tree or tree_of_everything
     work = tmp_path / "work" / "ckpt"
-    expected = tree_of_everything()
+    expected = tree()
     outcomes = Outcomes()
 
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck))
@@ -379,10 +407,10 @@ def _fuzz_store(tmp_path: Path, original: tuple[Path, dict], examples: int, dama
             warnings.simplefilter("ignore")
             restored = outcomes.call(jaxckpt.restore, work)
             if restored is not None:
-                _same_values(restored, expected)
-            restored = outcomes.call(jaxckpt.restore, work, like=tree_of_everything())
+                same(restored, expected)
+            restored = outcomes.call(jaxckpt.restore, work, like=tree())
             if restored is not None:
-                _same_values(restored, expected)
+                same(restored, expected)
             with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
                 assert _cli.main(["verify", str(work)]) in (0, 1)
 
@@ -390,12 +418,16 @@ def _fuzz_store(tmp_path: Path, original: tuple[Path, dict], examples: int, dama
     return outcomes
 
 
-def _zarr_json_damage(data: st.DataObject, work: Path) -> None:
-    import tensorstore as ts
+def _store_files(work: Path, want) -> list[Path]:
+    """The data store's files (format version 4: plain folders) for which ``want(relative path)``."""
+    files = sorted(p for p in (work / "data").rglob("*") if p.is_file() and want(p.relative_to(work / "data")))
+    assert files, f"no such file under {work / 'data'}"
+    return files
 
-    kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": f"{work / 'data'}/"}}).result()
-    key = data.draw(st.sampled_from(sorted(k.decode() for k in kv.list().result() if k.endswith(b"zarr.json"))))
-    meta = json.loads(kv.read(key).result().value)
+
+def _zarr_json_damage(data: st.DataObject, work: Path) -> None:
+    file = data.draw(st.sampled_from(_store_files(work, lambda p: p.name == "zarr.json")), label="file")
+    meta = json.loads(file.read_bytes())
     edited = mutate(data, meta)
     extra = data.draw(
         st.sampled_from(
@@ -411,7 +443,39 @@ def _zarr_json_damage(data: st.DataObject, work: Path) -> None:
         ),
         label="planted",
     )
-    kv.write(key, dumps({**edited, **extra}, ascii=True)).result()
+    file.write_bytes(dumps({**edited, **extra}, ascii=True))
+
+
+def _shard_damage(data: st.DataObject, work: Path) -> None:
+    """A shard file (format version 4) flipped, truncated, zeroed or given a crafted index entry,
+    mostly in its trailing bytes: the shard index (offset, size per inner chunk) and its CRC-32C."""
+    file = data.draw(st.sampled_from(_store_files(work, lambda p: "c" in p.parts)), label="file")
+    raw = bytearray(file.read_bytes())
+    how = data.draw(st.sampled_from(["flip", "truncate", "zero", "entry", "append"]), label="how")
+    near_end = data.draw(st.booleans(), label="near end")
+    back = data.draw(st.integers(1, min(len(raw), 4 + 16 * 4 if near_end else len(raw))), label="from end")
+    at = len(raw) - back
+    if how == "flip":
+        raw[at] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+    elif how == "truncate":
+        del raw[at:]
+    elif how == "zero":
+        raw[at : at + 8] = bytes(len(raw[at : at + 8]))
+    elif how == "append":
+        raw += data.draw(st.binary(min_size=1, max_size=64), label="appended")
+    else:  # rewrite the first index entry, with a valid index checksum: only the bounds checks stand in the way
+        import crc32c
+
+        entries = len(raw) - 4 - data.draw(st.sampled_from([16, 32]), label="index bytes")
+        value = data.draw(
+            st.sampled_from([0, 1, 4, len(raw), len(raw) - 20, 2**63, 2**64 - 1, 2**62 + 1]), label="value"
+        )
+        field = data.draw(st.sampled_from([0, 8]), label="field")
+        if entries >= 0:
+            raw[entries + field : entries + field + 8] = value.to_bytes(8, "little")
+            index = bytes(raw[entries:-4])
+            raw[-4:] = crc32c.crc32c(index).to_bytes(4, "little")
+    file.write_bytes(bytes(raw))
 
 
 def _manifest_damage(data: st.DataObject, work: Path) -> None:
@@ -434,17 +498,28 @@ def test_fuzzed_zarr_json(tmp_path, original):
     assert outcomes["CheckpointCorruptedError"] > 0
 
 
-def test_fuzzed_ocdbt_manifest(tmp_path, original):
-    outcomes = _fuzz_store(tmp_path, original, DEFAULT_EXAMPLES // 3, _manifest_damage)
+def test_fuzzed_shard_files(tmp_path, original):
+    outcomes = _fuzz_store(tmp_path, original, DEFAULT_EXAMPLES // 3, _shard_damage)
+    print(f"\nfuzz shard files: calls ended: {dict(outcomes)}")
+    assert outcomes["CheckpointCorruptedError"] > 0
+
+
+def test_fuzzed_ocdbt_manifest(tmp_path):
+    """Format versions 1 to 3 keep the data in an OCDBT database: a copy of tests/golden/v3's, damaged."""
+    source, tree = _golden_v3()
+    outcomes = _fuzz_store(tmp_path, (source, {}), DEFAULT_EXAMPLES // 3, _manifest_damage, tree, _same_golden)
     print(f"\nfuzz OCDBT manifest: calls ended: {dict(outcomes)}")
     assert outcomes["CheckpointCorruptedError"] > 0
 
 
 @pytest.mark.stress
-def test_fuzzed_zarr_json_and_manifest_stress(tmp_path, original):
-    for damage in (_zarr_json_damage, _manifest_damage):
+def test_fuzzed_zarr_json_shards_and_manifest_stress(tmp_path, original):
+    for damage in (_zarr_json_damage, _shard_damage):
         outcomes = _fuzz_store(tmp_path, original, STRESS_EXAMPLES // 6, damage)
         print(f"\nfuzz {damage.__name__}: calls ended: {dict(outcomes)}")
+    source, tree = _golden_v3()
+    outcomes = _fuzz_store(tmp_path, (source, {}), STRESS_EXAMPLES // 6, _manifest_damage, tree, _same_golden)
+    print(f"\nfuzz _manifest_damage: calls ended: {dict(outcomes)}")
 
 
 # --- crafted indexes: each hostile idea once, by hand ----------------------------------------------
