@@ -1,6 +1,7 @@
 """Damaged files: every flipped byte and every truncation is an error that names what, or harmless.
 
-Each file of a checkpoint (index.json, the OCDBT manifest, each data file), in turn, gets bytes
+Each file of a checkpoint (index.json, each array's zarr.json, each shard file: format version 4
+keeps every array as a zarr3 array in a plain folder, one file per shard), in turn, gets bytes
 flipped at random positions and is truncated at several lengths. Then ``restore`` and ``verify``
 (the CLI) must agree: either both report the damage, with a message naming the index or a key
 of the checkpoint, or ``restore`` returns exactly the original values (a flip in unused bytes such
@@ -30,11 +31,11 @@ from jaxckpt import _cli, _tensorstore
 
 
 def original_tree() -> dict[str, Any]:
-    rng = np.random.default_rng(0)  # random values: TensorStore does not store chunks of zeros
+    rng = np.random.default_rng(0)  # random values, so that a flipped bit cannot go unseen
     mesh = Mesh(np.array(jax.devices()), ("x",))
     big = rng.standard_normal((64, 256)).astype(np.float32)
     sparse = np.zeros((64, 256), np.float32)
-    sparse[:8] = rng.standard_normal((8, 256))  # 7 chunks of 8 are zeros, and not stored at all
+    sparse[:8] = rng.standard_normal((8, 256))  # 7 shards of 8 are zeros (stored all the same)
     return {
         "packed_f32": rng.standard_normal(16).astype(np.float32),
         "packed_i32": rng.integers(-1000, 1000, 100).astype(np.int32),
@@ -102,11 +103,12 @@ def run_damage(tmp_path: Path, pristine: tuple[Path, dict[str, Any]], flips: int
     seed = int(os.environ.get("JAXCKPT_TEST_SEED", random.randrange(2**32)))
     rng = random.Random(seed)
     files = sorted(str(p.relative_to(source)) for p in source.rglob("*") if p.is_file())
-    assert "index.json" in files and "data/manifest.ocdbt" in files and any(f.startswith("data/d/") for f in files)
+    assert "index.json" in files and any(f.endswith("/zarr.json") for f in files)
+    assert any(kind_of(f) == "pack shard" for f in files) and any(kind_of(f) == "array shard" for f in files)
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     case = 0
     for name in files:
-        kind_of_file = "data file" if name.startswith("data/d/") else name
+        kind_of_file = kind_of(name)
         raw = (source / name).read_bytes()
         for kind in ["flip"] * flips + ["truncate"] * truncations:
             case += 1
@@ -142,8 +144,17 @@ def run_damage(tmp_path: Path, pristine: tuple[Path, dict[str, Any]], flips: int
     assert detected > case * 3 // 4
 
 
+def kind_of(name: str) -> str:
+    """index.json, zarr.json, or the shard file of a pack (``data/p/<n>/c/...``) or an array (``data/a/...``)."""
+    parts = name.split("/")
+    if name == "index.json" or parts[-1] == "zarr.json":
+        return parts[-1]
+    assert parts[0] == "data" and parts[1] in ("a", "p") and parts[3] == "c", name
+    return "pack shard" if parts[1] == "p" else "array shard"
+
+
 def files_kinds(files: list[str]) -> list[str]:
-    return list(dict.fromkeys("data file" if f.startswith("data/d/") else f for f in files))
+    return list(dict.fromkeys(kind_of(f) for f in files))
 
 
 def test_flipped_and_truncated_files(tmp_path, pristine):
@@ -156,16 +167,9 @@ def test_flipped_and_truncated_files_stress(tmp_path, pristine):
 
 
 def zarr_metadata(source: Path) -> list[tuple[str, int, int]]:
-    """Where each array's zarr.json lies in the data files: (file, start, stop). It has no checksum."""
-    spans = []
-    for f in sorted(p for p in (source / "data").rglob("*") if p.is_file()):
-        raw = f.read_bytes()
-        start = raw.find(b'{"chunk_grid"')
-        while start >= 0:
-            stop = raw.index(b'"zarr_format":3}', start) + len(b'"zarr_format":3}')
-            spans.append((str(f.relative_to(source)), start, stop))
-            start = raw.find(b'{"chunk_grid"', stop)
-    return spans
+    """Each array's zarr.json (format version 4: a file of its own): (file, start, stop). It has no
+    checksum: the reader checks it against what the index implies."""
+    return [(str(f.relative_to(source)), 0, f.stat().st_size) for f in sorted((source / "data").rglob("zarr.json"))]
 
 
 def run_metadata_flips(tmp_path: Path, pristine: tuple[Path, dict[str, Any]], per_array: int | None) -> None:
@@ -181,6 +185,7 @@ def run_metadata_flips(tmp_path: Path, pristine: tuple[Path, dict[str, Any]], pe
         else:  # always the fill value's bytes: their damage is the one that no checksum covers
             raw = (source / name).read_bytes()
             value = raw.index(b'"fill_value":', start, stop) + len(b'"fill_value":')
+            value += raw[value:stop].startswith(b" ")
             positions = [*range(value, raw.index(b",", value)), *rng.sample(range(start, stop), per_array)]
         for pos in positions:
             work = tmp_path / f"case-{sum(counts.values())}"
