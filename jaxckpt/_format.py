@@ -25,13 +25,16 @@ FORMAT_NAME = "jaxckpt"
 # Version 3: a multi-process save records each array's sharding (a mesh of the checkpoint's device
 # table and a partition spec) instead of every region of every process, so that the index of a save
 # by N processes does not grow with N.
-FORMAT_VERSION = 3
+# Version 4: a data store is a plain folder of zarr3 arrays with the ``sharding_indexed`` codec, one
+# file per shard, every inner chunk with its CRC-32C (jaxckpt._zarr_local), instead of an OCDBT
+# database; an array's ``chunks`` are its shard shape. Packs are such arrays too.
+FORMAT_VERSION = 4
 INDEX_FILE = "index.json"
-DATA_DIR = "data"  # an OCDBT database holding the zarr3 arrays that process 0 wrote
+DATA_DIR = "data"  # the data store of process 0 (an OCDBT database up to version 3)
 
 
 def data_store(process: int) -> str:
-    """The data store (OCDBT database folder) that process ``process`` writes."""
+    """The data store (a folder of zarr3 arrays) that process ``process`` writes."""
     return DATA_DIR if process == 0 else f"{DATA_DIR}.p{process}"
 
 

@@ -308,9 +308,16 @@ def _parse_pack(raw: Any, version: int, where: str) -> Pack:
     return Pack(path, nbytes, chunk)
 
 
-def _parse_chunks(raw: Any, shape: list[int], itemsize: int, where: str) -> tuple[int, ...]:
-    """A chunk shape: one positive size per dimension, none larger than the array, within MAX_CHUNK_BYTES."""
+def _parse_chunks(raw: Any, shape: list[int], itemsize: int, version: int, where: str) -> tuple[int, ...]:
+    """A chunk shape: one positive size per dimension, none larger than the array, within MAX_CHUNK_BYTES.
+    From version 4 it is the shard shape: read in inner chunks (at most 8 MiB, or checked against the
+    file's size before they are read), and padded up to less than twice the array where it is cut."""
     ok = isinstance(raw, list) and len(raw) == len(shape)
+    if version >= 4:
+        ok = ok and all(type(c) is int and 1 <= c <= 2 * max(1, n) for c, n in zip(raw, shape))
+        if ok:
+            return tuple(raw)
+        raise _fail(where, f"shard shape {raw!r} does not fit shape {tuple(shape)}")
     ok = ok and all(type(c) is int and 1 <= c <= max(1, n) for c, n in zip(raw, shape))
     if not ok or math.prod(raw) * itemsize > MAX_CHUNK_BYTES:
         raise _fail(
@@ -378,7 +385,7 @@ def _parse_leaf(raw: Any, packs: list[Pack], meshes: list[MeshRecord], version: 
         stored = _get(at_raw, "stored", str, where)
         if stored not in DTYPES or DTYPES[stored].itemsize != dtype.itemsize:
             raise _fail(where, f"stored dtype {stored!r} does not fit dtype {name!r}")
-        chunks = None if version < 2 else _parse_chunks(at_raw.get("chunks"), shape, dtype.itemsize, where)
+        chunks = None if version < 2 else _parse_chunks(at_raw.get("chunks"), shape, dtype.itemsize, version, where)
         layout = None
         if version >= 3 and ("mesh" in at_raw or "spec" in at_raw):
             if "regions" in at_raw:

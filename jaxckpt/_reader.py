@@ -271,7 +271,7 @@ class Opened:
 
     def _reader_of(self, store: str) -> _tensorstore.Reader:
         if store not in self._readers:
-            self._readers[store] = _tensorstore.Reader((self.location / store).spec(), strict=self.index.version >= 2)
+            self._readers[store] = _tensorstore.Reader((self.location / store).spec(), version=self.index.version)
         return self._readers[store]
 
     @staticmethod

@@ -54,13 +54,16 @@ SAVE_MARKER = ".jaxckpt-save"  # object stores: written first by a save, deleted
 
 _OWNER_FILE = ".jaxckpt-owner"  # in a staging folder: locked by the save that writes it, for as long as it runs
 
-# Object-store keys an interrupted save can leave: its marker, and OCDBT's own keys in its data stores.
-_LEFTOVER_KEY = re.compile(rf"{re.escape(SAVE_MARKER)}|data(\.p[1-9][0-9]*)?/(manifest\.[^/]+|d/.+)")
+# Object-store keys an interrupted save can leave: its marker, and its data stores' keys: zarr3
+# arrays and packs (format version 4), or OCDBT's files (versions 1 to 3).
+_LEFTOVER_KEY = re.compile(
+    rf"{re.escape(SAVE_MARKER)}|data(\.p[1-9][0-9]*)?/(manifest\.[^/]+|d/.+|[ap]/[0-9]+/(zarr\.json|c(/[0-9]+)*))"
+)
 
 
 def _only_leftovers(path: Location) -> bool:
     """Object stores: whether ``path`` holds exactly what an interrupted save leaves: its marker, and
-    data stores with OCDBT's keys. Without the marker, data is not provably jaxckpt's (a user's
+    data stores with the keys of its arrays. Without the marker, data is not provably jaxckpt's (a user's
     ``data/`` folder), so it is never taken for leftovers."""
     keys = _tensorstore.kv_keys(path.spec())
     return SAVE_MARKER in keys and all(_LEFTOVER_KEY.fullmatch(k) for k in keys)

@@ -1,12 +1,13 @@
-"""Array I/O: every byte of array data goes through TensorStore (zarr3 arrays in one OCDBT database).
+"""Array I/O: format version 4's data stores (zarr3 sharded arrays in plain folders), and the OCDBT
+databases of versions 1 to 3, through TensorStore or, on local disks, :mod:`jaxckpt._zarr_local`.
 
-The only module that imports tensorstore. A checkpoint's arrays live in one OCDBT key-value database
-(a handful of files however many arrays it holds):
+With :mod:`jaxckpt._tensorstore_foreign` (other libraries' zarr arrays), the only modules that import
+tensorstore. A checkpoint's data store holds:
 
-- a large leaf is its own zarr3 array at ``a/<n>/``, chunked like its shards, each chunk ending in a
-  crc32c checksum (the zarr3 ``crc32c`` codec) that TensorStore verifies on every read;
-- small leaves are packed, end to end, into 1-D uint8 zarr3 arrays at ``p/<n>/`` (their crc32 is
-  in the index), so that ten thousand small leaves cost one write, not ten thousand.
+- a large leaf as its own zarr3 array at ``a/<n>/``: one file per shard, each cut into inner chunks
+  that end in their CRC-32C (the ``sharding_indexed`` and ``crc32c`` codecs), verified on every read;
+- small leaves packed, end to end, into 1-D uint8 zarr3 arrays at ``p/<n>/`` (their crc32 is in the
+  index), so that ten thousand small leaves cost one write, not ten thousand.
 
 A checkpoint is untrusted input. Every chunk is written, zeros included, and reading one that is
 missing is an error (TensorStore would otherwise return the fill value: silently wrong data). An
@@ -29,7 +30,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, JaxckptError, StorageError
+from jaxckpt import _zarr_local, _zarr_meta
+from jaxckpt._errors import CheckpointCorruptedError, JaxckptError, StorageError
 from jaxckpt._in_flight import WRITE_AHEAD_BYTES, InFlight, Pending
 from jaxckpt._tree import describe
 
@@ -39,13 +41,9 @@ PACK_LEAF_LIMIT = 1 << 20
 PACK_CHUNK_BYTES = 4 << 20
 # A pack holds at most about this many bytes.
 PACK_TARGET_BYTES = 256 << 20
-# Chunks of a large array are its shards, split until each is at most this size: small enough that
-# TensorStore checks and copies several at once on different cores, large enough to stay few.
-ARRAY_CHUNK_LIMIT = 8 << 20
-# Byte alignment of buffers we read into, and of leaves inside a pack: on CPU, jax aliases a
+# Byte alignment of leaves inside a pack, as of the buffers read into: on CPU, jax aliases a
 # 64-byte-aligned host buffer instead of copying it.
-ALIGN = 64
-PACK_ALIGN = ALIGN
+PACK_ALIGN = 64
 
 # dtypes that the zarr3 driver of TensorStore stores natively; others are stored as unsigned ints
 # of the same width and reinterpreted on read.
@@ -188,33 +186,51 @@ def _metadata(shape: Sequence[int], dtype: str, chunks: Sequence[int] | None, ch
 
 
 def pack_chunk(nbytes: int) -> int:
-    """Bytes per chunk of a pack of ``nbytes`` bytes."""
+    """Bytes per (inner) chunk of a pack of ``nbytes`` bytes."""
     return max(1, min(nbytes, PACK_CHUNK_BYTES))
 
 
 def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> list[int]:
-    """The shard shape, halved along its largest dimension until a chunk is at most the limit."""
-    chunks = [max(1, c) for c in shard]
-    while math.prod(chunks) * itemsize > ARRAY_CHUNK_LIMIT and max(chunks) > 1:
-        i = max(range(len(chunks)), key=chunks.__getitem__)
-        chunks[i] = -(-chunks[i] // 2)
-    return chunks
+    """The shard shape (zarr3 outer chunk) the index records for an array of ``shape`` whose regions
+    are ``shard`` in size (format version 4; see :func:`jaxckpt._zarr_meta.shard_shape`)."""
+    whole = [max(1, n) for n in shard] == [max(1, n) for n in shape]
+    return list(_zarr_meta.shard_shape(shape, shard, itemsize, whole=whole))
+
+
+def _sharded_metadata(shape: Sequence[int], stored: str, shard: Sequence[int], checksum: bool) -> dict[str, Any]:
+    """Format version 4's zarr3 metadata, as TensorStore takes it in a spec."""
+    itemsize = _zarr_meta.numpy_dtype(stored).itemsize
+    meta = _zarr_meta.metadata(shape, stored, shard, itemsize, checksum=checksum)
+    return {k: v for k, v in meta.items() if k not in ("zarr_format", "node_type")}
+
+
+def _sub(base: dict[str, Any], path: str) -> dict[str, Any]:
+    """The kvstore spec of folder ``path`` under kvstore ``base``."""
+    return {**base, "path": base.get("path", "") + path + "/"}
+
+
+def _local_folder(base: dict[str, Any]) -> str | None:
+    return str(base["path"]) if base.get("driver") == "file" else None
 
 
 class Writer:
-    """Writes the arrays and packs of one checkpoint into the OCDBT database at kvstore ``base``.
+    """Writes the arrays and packs of one checkpoint's data store at kvstore ``base`` (format version 4:
+    zarr3 sharded arrays, one file per shard; see :mod:`jaxckpt._zarr_local`).
 
-    ``add_*`` only records what to write; :meth:`flush` opens every recorded array at once and
-    writes them all, so per-array costs overlap instead of adding up. TensorStore reads the given
-    host buffers in place (no copy of its own): callers hand over buffers that nobody changes, and
-    :meth:`flush` drops them once written, so a caller can bound host memory by flushing.
+    ``add_*`` only records what to write; :meth:`flush` writes it all at once, so per-array costs
+    overlap instead of adding up. The given host buffers are read in place (no copy): callers hand
+    over buffers that nobody changes, and :meth:`flush` drops them once written, so a caller can
+    bound host memory by flushing. On a local disk jaxckpt writes the files itself; elsewhere
+    (object stores, ``memory://``) TensorStore writes the same layout.
 
     Writes are not transactional: nothing is visible until the caller publishes the checkpoint's
-    index, and a transaction would hold every byte in memory until its commit.
+    index.
     """
 
     def __init__(self, base: dict[str, Any]) -> None:
         self._base = base
+        folder = _local_folder(base)
+        self._local = _zarr_local.LocalWriter(folder) if folder is not None else None
         self._context = _context()
         self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]]]] = []
 
@@ -226,30 +242,43 @@ class Writer:
         chunks: Sequence[int],
         parts: Sequence[tuple[tuple[slice, ...], np.ndarray]],
     ) -> None:
-        """Record a zarr3 array of ``shape`` in ``chunks`` (see :func:`chunk_shape`), and the (region, data) to write."""
+        """Record a zarr3 array of ``shape`` in shards of ``chunks`` (see :func:`chunk_shape`), and the
+        (region, data) to write: whole shards."""
         stored = stored_dtype(dtype)
         if stored != dtype.name:
             parts = [(index, data.view(stored)) for index, data in parts]
         if math.prod(shape) == 0:
             parts = []
-        self._planned.append((path, _metadata(shape, stored, chunks, checksum=True), list(parts)))
+        if self._local is not None:
+            self._local.add_array(path, shape, dtype if stored == dtype.name else np.dtype(stored), chunks, parts)
+            return
+        self._planned.append((path, _sharded_metadata(shape, stored, chunks, True), list(parts)))
 
     def add_pack(self, path: str, buffer: np.ndarray) -> None:
-        metadata = _metadata([buffer.size], "uint8", [pack_chunk(buffer.size)], checksum=False)
+        chunk = pack_chunk(buffer.size)
+        if self._local is not None:
+            self._local.add_pack(path, buffer, chunk)
+            return
+        shard = -(-buffer.size // chunk) * chunk if buffer.size else chunk
+        metadata = _sharded_metadata([buffer.size], "uint8", [shard], False)
         self._planned.append((path, metadata, [((slice(None),), buffer)] if buffer.size else []))
 
     def flush(self) -> None:
         """Create and write everything recorded so far, durably; then forget it."""
+        if self._local is not None:
+            self._local.flush()
+            return
         planned, self._planned = self._planned, []
         # Chunks of zeros are stored too: a reader then treats any missing chunk as damage.
         opens = [
             ts.open(
-                {**_spec(self._base, path), "metadata": metadata, "store_data_equal_to_fill_value": True},
+                {"driver": "zarr3", "kvstore": _sub(self._base, path), "metadata": metadata,
+                 "store_data_equal_to_fill_value": True},
                 create=True,
                 context=self._context,
             )
             for path, metadata, _ in planned
-        ]
+        ]  # fmt: skip
         in_flight = InFlight(WRITE_AHEAD_BYTES)
         try:
             for (_, _, parts), future in zip(planned, opens):
@@ -282,7 +311,7 @@ def _name(key: str, path: str) -> str:
     return f"the data of {describe(key)} (array {path!r} in the checkpoint)" if key else f"{path!r} in the checkpoint"
 
 
-def _check_open(key: str, path: str, store: ts.TensorStore, shape: Sequence[int], dtype: str) -> None:
+def _check_open(key: str, path: str, store: ts.TensorStore, shape: Sequence[int], dtype: str, *, padded: bool) -> None:
     if list(store.shape) != list(shape) or store.dtype.name != dtype:
         raise CheckpointCorruptedError(
             f"The stored array of {describe(key) if key else repr(path)} has shape {tuple(store.shape)} and dtype "
@@ -296,6 +325,8 @@ def _check_open(key: str, path: str, store: ts.TensorStore, shape: Sequence[int]
             f"The stored array of {describe(key) if key else repr(path)} (array {path!r}) has the fill value {fill}, "
             "but jaxckpt writes 0: its metadata is damaged, and its chunks of zeros cannot be trusted."
         )
+    if padded:  # version 4: the metadata was constrained to the index's, chunks included
+        return
     # Version 1 indexes do not record chunk shapes: a chunk (read whole) must at least fit the array.
     chunks = store.chunk_layout.read_chunk.shape or ()  # None for a rank-0 array
     if len(chunks) != len(shape) or any(c is None or c > max(1, n) for c, n in zip(chunks, shape)):
@@ -308,26 +339,47 @@ def _check_open(key: str, path: str, store: ts.TensorStore, shape: Sequence[int]
 class Reader:
     """Reads arrays and pack spans of one checkpoint's data store, many at a time.
 
-    ``strict`` (format version 2 and later): every chunk was written, so a missing one is damage.
+    ``version``: the checkpoint's format version. Version 4 stores zarr3 sharded arrays in plain
+    folders (read by :mod:`jaxckpt._zarr_local` on a local disk, by TensorStore elsewhere); versions
+    1 to 3 zarr3 arrays in an OCDBT database. From version 2 every chunk was written, so a missing one
+    is damage.
     """
 
-    def __init__(self, base: dict[str, Any], *, strict: bool = True) -> None:
+    def __init__(self, base: dict[str, Any], *, version: int) -> None:
         self._base = base
         self._context = _context()
-        self._strict = strict
+        self._strict = version >= 2
+        self._sharded = version >= 4
+        folder = _local_folder(base) if self._sharded else None
+        self._local = _zarr_local.LocalReader(folder) if folder is not None else None
 
     def _open(self, path: str, metadata: dict[str, Any]) -> Any:
-        spec = {**_spec(self._base, path), "metadata": metadata, "fill_missing_data_reads": not self._strict}
+        spec: dict[str, Any]
+        if self._sharded:
+            spec = {"driver": "zarr3", "kvstore": _sub(self._base, path), "metadata": metadata}
+        else:
+            spec = {**_spec(self._base, path), "metadata": metadata, "fill_missing_data_reads": not self._strict}
         return ts.open(spec, open=True, context=self._context)
+
+    def _metadata(self, shape: Sequence[int], dtype: str, chunks: Sequence[int] | None, checksum: bool) -> Any:
+        if self._sharded:
+            assert chunks is not None  # version 4 indexes record every shard shape
+            return _sharded_metadata(shape, dtype, chunks, checksum)
+        return _metadata(shape, dtype, chunks, checksum)
 
     def open_arrays(
         self, requests: Iterable[tuple[str, str, str, Sequence[int], Sequence[int] | None]]
-    ) -> dict[str, ts.TensorStore]:
+    ) -> dict[str, Any]:
         """Opens each (key, path, stored dtype, shape, chunk shape or None), its zarr.json checked against them."""
         requests = list(requests)
+        if self._local is not None:
+            local = self._local
+            return {
+                key: local.open_array(key, path, dtype, shape, chunks or ())
+                for key, path, dtype, shape, chunks in requests
+            }
         futures = [
-            self._open(path, _metadata(shape, dtype, chunks, checksum=True))
-            for _, path, dtype, shape, chunks in requests
+            self._open(path, self._metadata(shape, dtype, chunks, True)) for _, path, dtype, shape, chunks in requests
         ]
         stores = {}
         for (key, path, dtype, shape, _), future in zip(requests, futures):
@@ -335,39 +387,38 @@ class Reader:
                 store = future.result()
             except Exception as e:
                 raise failure(_name(key, path), e) from e
-            _check_open(key, path, store, shape, dtype)
+            _check_open(key, path, store, shape, dtype, padded=self._sharded)
             stores[key] = store
         return stores
 
-    def read_regions(
-        self, key: str, path: str, store: ts.TensorStore, regions: Sequence[tuple[slice, ...]]
-    ) -> list[PendingRead]:
+    def read_regions(self, key: str, path: str, store: Any, regions: Sequence[tuple[slice, ...]]) -> list[Pending]:
         """Starts reading each region into a fresh aligned buffer."""
+        if self._local is not None:
+            local = self._local
+            return [local.read_region(store, region) for region in regions]
         return [_read_into(key, path, store[region]) for region in regions]
 
     def read_pack_spans(
         self, path: str, nbytes: int, chunk: int | None, spans: Sequence[tuple[int, int]]
-    ) -> list[PendingRead]:
+    ) -> list[Pending]:
         """Starts reading byte spans (start, stop) of the pack at ``path`` (``chunk``: bytes per chunk, if known)."""
+        if self._local is not None:
+            assert chunk is not None  # version 4 indexes record it
+            return list(self._local.read_pack_spans(path, nbytes, chunk, spans))
+        if self._sharded:
+            assert chunk is not None
+            metadata = _sharded_metadata([nbytes], "uint8", [-(-nbytes // chunk) * chunk if nbytes else chunk], False)
+        else:
+            metadata = _metadata([nbytes], "uint8", None if chunk is None else [chunk], False)
         try:
-            store = self._open(path, _metadata([nbytes], "uint8", None if chunk is None else [chunk], False)).result()
+            store = self._open(path, metadata).result()
         except Exception as e:
             raise failure(_name("", path), e) from e
-        _check_open("", path, store, [nbytes], "uint8")
+        _check_open("", path, store, [nbytes], "uint8", padded=self._sharded)
         return [_read_into("", path, store[a:b]) for a, b in spans]
 
 
-def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised C-order array whose data starts on a 64-byte boundary.
-
-    On CPU, ``jax.device_put`` of such a buffer aliases it instead of copying, so a restored
-    jax.Array costs no second copy of its bytes.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+aligned_empty = _zarr_local.aligned_empty
 
 
 class PendingRead(NamedTuple):
@@ -391,91 +442,3 @@ class PendingRead(NamedTuple):
 def _read_into(key: str, path: str, source: ts.TensorStore) -> PendingRead:
     buffer = aligned_empty(source.shape, source.dtype.numpy_dtype)
     return PendingRead(key, path, ts.array(buffer).write(source), buffer)
-
-
-# --- foreign arrays: zarr arrays that another library wrote (jaxckpt._formats) ---------------------
-#
-# The readers of other formats build TensorStore specs (plain dicts) themselves and check every
-# field they pass; these functions only run them, and name what failed by ``what`` (the key, the
-# file): a missing or damaged chunk is CheckpointCorruptedError, a refusing storage StorageError.
-
-# The cache that OCDBT databases of foreign checkpoints keep their manifest and B-tree nodes in:
-# without it every array opened re-reads them (Orbax keeps a model's thousands of arrays in one
-# database, so opening each would cost milliseconds). Chunks are still not cached.
-_FOREIGN_INDEX_CACHE = "cache_pool#foreign_index"
-_FOREIGN_INDEX_CACHE_BYTES = 32 << 20
-_FOREIGN_CONTEXT: ts.Context | None = None
-
-
-def _foreign_context() -> ts.Context:
-    global _FOREIGN_CONTEXT
-    if _FOREIGN_CONTEXT is None:
-        _FOREIGN_CONTEXT = ts.Context(
-            {
-                "cache_pool": {"total_bytes_limit": 0},
-                _FOREIGN_INDEX_CACHE: {"total_bytes_limit": _FOREIGN_INDEX_CACHE_BYTES},
-            }
-        )
-    return _FOREIGN_CONTEXT
-
-
-def foreign_ocdbt(folder: str) -> dict[str, Any]:
-    """The kvstore spec of the OCDBT database in local ``folder`` (its ``manifest.ocdbt``)."""
-    return {
-        "driver": "ocdbt",
-        "base": {"driver": "file", "path": folder.rstrip("/") + "/"},
-        "cache_pool": _FOREIGN_INDEX_CACHE,
-    }
-
-
-def read_foreign_files(base: dict[str, Any], requests: Sequence[tuple[str, str]], limit: int) -> list[bytes | None]:
-    """The value of each (key, what) under kvstore ``base`` (None where there is none), all read at
-    once; one over ``limit`` bytes is refused with CheckpointFormatError naming its ``what``. Only the
-    byte past the limit is fetched before that is known, so a crafted huge file costs nothing."""
-    try:
-        store = ts.KvStore.open(base, context=_foreign_context()).result()
-    except Exception as e:
-        raise failure(requests[0][1] if requests else "a data store", e) from e
-    probes = [store.read(key, byte_range=slice(limit, limit + 1)) for key, _ in requests]
-    present = []
-    for (_, what), probe in zip(requests, probes):
-        try:
-            beyond = probe.result()
-        except Exception as e:
-            if status_code(e) != "OUT_OF_RANGE":  # OUT_OF_RANGE: shorter than the limit
-                raise failure(what, e) from e
-        else:
-            if beyond.state == "missing":
-                present.append(False)
-                continue
-            if beyond.value:
-                raise CheckpointFormatError(f"{what} is larger than {limit} bytes: it is damaged or crafted.")
-        present.append(True)
-    reads = [store.read(key) if here else None for (key, _), here in zip(requests, present)]
-    out: list[bytes | None] = []
-    for (_, what), read in zip(requests, reads):
-        try:
-            result = read.result() if read is not None else None
-        except Exception as e:
-            raise failure(what, e) from e
-        out.append(bytes(result.value) if result is not None and result.state == "value" else None)
-    return out
-
-
-def open_foreign_array(spec: dict[str, Any], what: str) -> ts.TensorStore:
-    """Open (never create) the array of ``spec``; its metadata must match the constraints in it."""
-    try:
-        return ts.open(spec, open=True, context=_foreign_context()).result()
-    except Exception as e:
-        raise failure(what, e) from e
-
-
-def read_foreign(store: ts.TensorStore, dtype: np.dtype, what: str) -> np.ndarray:
-    """The whole array of ``store``, in a fresh aligned buffer of ``dtype`` (the numpy dtype of the
-    store's: ml_dtypes' ``bfloat16`` for its ``bfloat16``, which ``store.dtype.numpy_dtype`` is not)."""
-    buffer = aligned_empty(store.shape, dtype)
-    try:
-        ts.array(buffer).write(store).result()
-    except Exception as e:
-        raise failure(what, e) from e
-    return buffer

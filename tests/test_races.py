@@ -18,16 +18,16 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _tensorstore
+from jaxckpt import _zarr_meta
 
 WRITER = textwrap.dedent(
     """
     import sys
     import numpy as np
     import jaxckpt
-    from jaxckpt import _tensorstore
+    from jaxckpt import _zarr_meta
 
-    _tensorstore.ARRAY_CHUNK_LIMIT = 4096  # many small chunks: many files deleted one by one
+    _zarr_meta.INNER_CHUNK_LIMIT = 4096  # many small chunks, each read on its own
     directory, saves = sys.argv[1], int(sys.argv[2])
     ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros((512, 1024), np.float32))
     with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=1, step_counter="step", async_save=False) as m:
@@ -63,7 +63,7 @@ def _race(tmp_path, saves: int) -> collections.Counter:
 
 
 def test_restores_racing_retention_return_saved_values_or_raise(tmp_path, monkeypatch):
-    monkeypatch.setattr(_tensorstore, "ARRAY_CHUNK_LIMIT", 4096)
+    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 4096)
     outcomes = _race(tmp_path, saves=40)
     print(f"\nrace: restores while retention deletes: {dict(outcomes)}, 0 wrong")
     assert outcomes["ok"] > 0
@@ -71,6 +71,6 @@ def test_restores_racing_retention_return_saved_values_or_raise(tmp_path, monkey
 
 @pytest.mark.stress
 def test_restores_racing_retention_stress(tmp_path, monkeypatch):
-    monkeypatch.setattr(_tensorstore, "ARRAY_CHUNK_LIMIT", 4096)
+    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 4096)
     outcomes = _race(tmp_path, saves=400)
     print(f"\nrace (stress): restores while retention deletes: {dict(outcomes)}, 0 wrong")

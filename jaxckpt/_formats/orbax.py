@@ -68,7 +68,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxckpt import _tensorstore
+from jaxckpt import _tensorstore_foreign
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointFormatError,
@@ -309,7 +309,7 @@ class Reader:
                     f"The Orbax item {folder!r} keeps its arrays in an OCDBT database (use_ocdbt in {TREE_METADATA}) "
                     "but has no manifest.ocdbt: it is incomplete or was partly deleted."
                 )
-            kvstore: dict[str, Any] = _tensorstore.foreign_ocdbt(absolute)
+            kvstore: dict[str, Any] = _tensorstore_foreign.foreign_ocdbt(absolute)
         else:
             kvstore = {"driver": "file", "path": absolute}
         strings: dict[str, Any] | None = None
@@ -362,7 +362,7 @@ class Reader:
             else:
                 slots.append(Entry(full, None, note=f"Orbax value type {kind[:100]!r}"))
         metadata_file = "zarr.json" if layout.use_zarr3 else ".zarray"
-        raws = _tensorstore.read_foreign_files(
+        raws = _tensorstore_foreign.read_foreign_files(
             kvstore,
             [(f"{a.name}/{metadata_file}", f"{a.what} ({a.name + '/' + metadata_file!r})") for a in arrays],
             ZARR_METADATA_LIMIT,
@@ -430,13 +430,13 @@ class Reader:
         if not isinstance(ref, ArrayRef):
             raise CheckpointFormatError(f"{self.path!r}: {key!r} is not a value of this Orbax checkpoint")
         what = f"{key!r} of the Orbax checkpoint {self.path!r} (array {ref.name!r})"
-        store = _tensorstore.open_foreign_array(ref.spec, what)
+        store = _tensorstore_foreign.open_foreign_array(ref.spec, what)
         if tuple(store.shape) != leaf.shape or store.dtype.name != leaf.dtype.name:
             raise CheckpointFormatError(
                 f"{what}: TensorStore opens it with shape {tuple(store.shape)} and dtype {store.dtype.name}, but its "
                 f"metadata says {leaf.shape} and {leaf.dtype.name}. It is damaged or crafted."
             )
-        return _tensorstore.read_foreign(store, leaf.dtype, what)
+        return _tensorstore_foreign.read_foreign(store, leaf.dtype, what)
 
 
 def open(path: str) -> Reader:
