@@ -74,6 +74,7 @@ class _Pool:
                 future.set_result(fn(*args))
             except BaseException as e:
                 future.set_exception(e)
+            del fn, args, future  # a finished job's buffers must not wait here for the next job
 
 
 _POOL: _Pool | None = None
