@@ -7,6 +7,7 @@ Each test reproduces a failure of format version 1's reader (issue "Data safety,
 import errno
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 
@@ -17,11 +18,41 @@ import pytest
 import tensorstore as ts
 
 import jaxckpt
-from jaxckpt import _cli, _save, _scan, _tensorstore, _verify
+from jaxckpt import _cli, _save, _scan, _tensorstore, _verify, _zarr_local
+
+GOLDEN = Path(__file__).parent / "golden"
 
 
 def _ocdbt(path: Path, store: str = "data") -> ts.KvStore:
+    """The data store of a checkpoint of format version 1 to 3 (an OCDBT database)."""
     return ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": f"{path / store}/"}}).result()
+
+
+def _shard_files(path: Path, array: str = "a/0") -> list[Path]:
+    """The shard files of a zarr3 array of a format version 4 data store."""
+    return sorted(p for p in (Path(path) / "data" / array / "c").rglob("*") if p.is_file())
+
+
+def _shard_index(file: Path) -> np.ndarray:
+    """The (offset, size) entries of a shard file's index, its checksum checked."""
+    raw = file.read_bytes()
+    n = 1
+    while n * 16 + 4 <= len(raw):  # the index length is not recorded: find the one whose checksum holds
+        index = raw[-(n * 16 + 4) : -4]
+        if _zarr_local._crc(memoryview(index)) == raw[-4:]:
+            return np.frombuffer(index, "<u8").reshape(n, 2)
+        n += 1
+    raise AssertionError(f"no valid index at the end of {file}")
+
+
+def _mark_absent(file: Path, chunk: int) -> None:
+    """Mark inner chunk ``chunk`` absent in the shard's index (what zarr3 writes for a chunk never
+    written), with a valid index checksum."""
+    entries = _shard_index(file).copy()
+    entries[chunk] = [2**64 - 1, 2**64 - 1]
+    raw = file.read_bytes()
+    index = entries.astype("<u8").tobytes()
+    file.write_bytes(raw[: -(len(index) + 4)] + index + _zarr_local._crc(memoryview(index)))
 
 
 def _index(path: Path) -> dict:
@@ -46,33 +77,69 @@ def _chunked(tmp_path: Path, values: np.ndarray | None = None) -> tuple[Path, np
 # --- 1. a missing chunk is damage, never zeros ---------------------------------------------------
 
 
-def test_a_deleted_chunk_is_an_error_not_zeros(tmp_path):
+@pytest.mark.parametrize("how", ["shard file deleted", "inner chunk marked absent"])
+def test_a_deleted_chunk_is_an_error_not_zeros(tmp_path, how):
+    """Format version 4: one shard file (``a/0/c/0/0``) of two 8 MiB inner chunks. A deleted shard
+    file, or an index entry saying "never written" (zarr3 reads that as the fill value), is damage."""
     path, _ = _chunked(tmp_path)
-    kv = _ocdbt(path)
-    chunks = sorted(k.decode() for k in kv.list().result() if b"/c/" in k)
-    assert len(chunks) == 2, chunks
-    kv.delete_range(ts.KvStore.KeyRange(chunks[1], chunks[1] + "\0")).result()
+    (shard,) = _shard_files(path)
+    assert len(_shard_index(shard)) == 2
+    if how == "shard file deleted":
+        shard.unlink()
+    else:
+        _mark_absent(shard, 1)
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*missing"):
         jaxckpt.restore(path)
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match="missing"):
         jaxckpt.load_variable(path, "w")
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="missing"):  # the half not marked absent
+        jaxckpt.restore(path, like={"w": np.zeros((1024, 4096), np.float32)})
     result = _verify.verify(str(path))
     assert [k for k, _ in result.damaged] == ["w"] and not result.ok
+
+
+def test_a_deleted_chunk_of_a_version_3_checkpoint_is_an_error_not_zeros(tmp_path):
+    """Format version 3 (OCDBT): a chunk deleted from the database is damage too."""
+    path = tmp_path / "v3"
+    shutil.copytree(GOLDEN / "v3", path)
+    kv = _ocdbt(path)
+    (chunk,) = [k.decode() for k in kv.list().result() if k.startswith(b"a/0/c/")]
+    kv.delete_range(ts.KvStore.KeyRange(chunk, chunk + "\0")).result()
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'big'.*missing"):
+        jaxckpt.restore(path)
+    assert [k for k, _ in _verify.verify(str(path)).damaged] == ["big"]
 
 
 def test_chunks_of_zeros_are_stored_and_read_back(tmp_path):
     """Every chunk is written, zeros included, so that a missing one can be told from a zero one."""
     path, values = _chunked(tmp_path, np.zeros((1024, 4096), np.float32))
-    assert len([k for k in _ocdbt(path).list().result() if b"/c/" in k]) == 2
+    (shard,) = _shard_files(path)
+    entries = _shard_index(shard)
+    chunk = (8 << 20) + 4  # the bytes of 512 rows, and their CRC-32C
+    assert entries.tolist() == [[0, chunk], [chunk, chunk]]
+    assert shard.stat().st_size == 2 * chunk + 2 * 16 + 4
     np.testing.assert_array_equal(jaxckpt.restore(path)["w"], values)
     assert _verify.verify(str(path)).ok
 
 
 def test_a_deleted_pack_chunk_is_an_error(tmp_path):
     path = jaxckpt.save(tmp_path / "c", {"small": np.zeros(16, np.float32)})
-    kv = _ocdbt(Path(path))
-    (chunk,) = [k.decode() for k in kv.list().result() if k.startswith(b"p/0/c/")]
-    kv.delete_range(ts.KvStore.KeyRange(chunk, chunk + "\0")).result()
+    (shard,) = _shard_files(Path(path), "p/0")
+    _mark_absent(shard, 0)
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'small'.*missing"):
+        jaxckpt.restore(path)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="format 4 bug: a deleted pack shard file is reported as '[Errno 2] No such file or directory ... "
+    "damaged or truncated' (Opened._read_packed reports e.__cause__, the raw OSError, dropping "
+    "_zarr_local's 'data is missing from the checkpoint' message); an array's deleted shard says 'missing'",
+)
+def test_a_deleted_pack_shard_file_is_reported_as_missing(tmp_path):
+    path = jaxckpt.save(tmp_path / "c", {"small": np.zeros(16, np.float32)})
+    (shard,) = _shard_files(Path(path), "p/0")
+    shard.unlink()
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'small'.*missing"):
         jaxckpt.restore(path)
 
@@ -94,27 +161,50 @@ def test_a_checkpoint_deleted_while_read_is_reported_as_gone(tmp_path):
 
 
 def _rewrite_zarr_json(path: Path, edit) -> None:
-    kv = _ocdbt(path)
-    meta = json.loads(kv.read("a/0/zarr.json").result().value)
+    """Edit the zarr.json of array a/0 (format version 4: a plain file)."""
+    file = Path(path) / "data" / "a" / "0" / "zarr.json"
+    meta = json.loads(file.read_bytes())
     edit(meta)
-    kv.write("a/0/zarr.json", json.dumps(meta).encode()).result()
+    file.write_bytes(json.dumps(meta).encode())
+
+
+def _inner(meta: dict) -> dict:
+    """The sharding_indexed codec's configuration: inner chunks, their codecs, the index's codecs."""
+    (sharding,) = meta["codecs"]
+    assert sharding["name"] == "sharding_indexed"
+    return sharding["configuration"]
 
 
 @pytest.mark.parametrize(
     "case",
-    ["drop the checksum codec", "gzip and a 2 GiB chunk", "chunk shape of 2**40", "v2 chunk keys", "big endian"],
+    [
+        "drop the checksum codec",
+        "gzip and a 2 GiB chunk",
+        "chunk shape of 2**40",
+        "inner chunk shape of 2**40",
+        "v2 chunk keys",
+        "big endian",
+        "index at the start",
+        "index without checksum",
+        "no sharding",
+    ],
 )
 def test_a_crafted_zarr_json_is_refused_before_reading(tmp_path, case):
     path, _ = _chunked(tmp_path)
     edits = {
-        "drop the checksum codec": lambda m: m.update(codecs=m["codecs"][:1]),
+        "drop the checksum codec": lambda m: _inner(m).update(codecs=_inner(m)["codecs"][:1]),
         "gzip and a 2 GiB chunk": lambda m: (
-            m.update(codecs=[*m["codecs"][:1], {"name": "gzip", "configuration": {"level": 1}}]),
+            _inner(m).update(codecs=[*_inner(m)["codecs"][:1], {"name": "gzip", "configuration": {"level": 1}}]),
+            _inner(m).update(chunk_shape=[1 << 15, 1 << 14]),
             m["chunk_grid"]["configuration"].update(chunk_shape=[1 << 15, 1 << 14]),
         ),
         "chunk shape of 2**40": lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[2**40, 1]),
+        "inner chunk shape of 2**40": lambda m: _inner(m).update(chunk_shape=[2**40, 1]),
         "v2 chunk keys": lambda m: m.update(chunk_key_encoding={"name": "v2"}),
-        "big endian": lambda m: m["codecs"][0].update(configuration={"endian": "big"}),
+        "big endian": lambda m: _inner(m)["codecs"][0].update(configuration={"endian": "big"}),
+        "index at the start": lambda m: _inner(m).update(index_location="start"),
+        "index without checksum": lambda m: _inner(m).update(index_codecs=_inner(m)["index_codecs"][:1]),
+        "no sharding": lambda m: m.update(codecs=_inner(m)["codecs"]),
     }
     _rewrite_zarr_json(path, edits[case])
     # Before the fix the 2**40 chunk shape aborted the process (std::bad_alloc), in restore and verify.
@@ -125,17 +215,19 @@ def test_a_crafted_zarr_json_is_refused_before_reading(tmp_path, case):
 
 
 def test_a_version_1_zarr_json_with_a_chunk_larger_than_its_array_is_refused(tmp_path):
-    """Version 1 indexes record no chunk shape: the stored one must at least fit the array."""
-    path, _ = _chunked(tmp_path)
+    """Version 1 indexes record no chunk shape: the stored one must at least fit the array.
+    (A copy of tests/golden/v1, whose data store is an OCDBT database.)"""
+    path = tmp_path / "v1"
+    shutil.copytree(GOLDEN / "v1", path)
     body = _index(path)
-    body["version"] = 1
-    del body["leaves"]["w"]["at"]["chunks"]
-    for pack in body["packs"]:
-        del pack["chunk"]
-    _write_index(path, body)
-    np.testing.assert_array_equal(jaxckpt.restore(path)["w"][-1, -3:], [4194301, 4194302, 4194303])
-    _rewrite_zarr_json(path, lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[2**40, 1]))
-    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*claims chunks of shape"):
+    assert body["version"] == 1 and "chunks" not in body["leaves"]["big"]["at"]
+    expected = jaxckpt.restore(GOLDEN / "v1")["big"]
+    np.testing.assert_array_equal(jaxckpt.restore(path)["big"], expected)
+    kv = _ocdbt(path)
+    meta = json.loads(kv.read("a/0/zarr.json").result().value)
+    meta["chunk_grid"]["configuration"].update(chunk_shape=[2**40, 1])
+    kv.write("a/0/zarr.json", json.dumps(meta).encode()).result()
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'big'.*claims chunks of shape"):
         jaxckpt.restore(path)
 
 
@@ -180,26 +272,48 @@ def test_tensorstore_errors_map_by_status_code(code, error, errno_name):
         assert mapped.errno == getattr(errno, errno_name)
 
 
-def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, monkeypatch, capsys):
-    path, _ = _chunked(tmp_path)
+@pytest.mark.parametrize("refused", ["zarr.json", "shard file", "version 3 (TensorStore)"])
+def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, monkeypatch, capsys, refused):
+    if refused.startswith("version 3"):
+        path, key = tmp_path / "v3", "big"
+        shutil.copytree(GOLDEN / "v3", path)
 
-    class Refused:
-        def __init__(self, path):
-            self.path = path
+        class Refused:
+            def __init__(self, path):
+                self.path = path
 
-        def result(self):
-            raise ValueError(f'PERMISSION_DENIED: Error opening "{self.path}": Permission denied')
+            def result(self):
+                raise ValueError(f'PERMISSION_DENIED: Error opening "{self.path}": Permission denied')
 
-    def refuse(self, path, metadata):
-        return Refused(path)
+        real_open_store = _tensorstore.Reader._open
 
-    monkeypatch.setattr(_tensorstore.Reader, "_open", refuse)
+        def refuse(self, path, metadata):  # the array of 'big' only; the pack reads
+            return Refused(path) if path == "a/0" else real_open_store(self, path, metadata)
+
+        monkeypatch.setattr(_tensorstore.Reader, "_open", refuse)
+    else:  # format version 4 on a local disk: jaxckpt opens the files itself (as root, chmod refuses nothing)
+        (path, _), key = _chunked(tmp_path), "w"
+        target = str(path / "data" / "a" / "0" / ("zarr.json" if refused == "zarr.json" else "c"))
+        real_open, real_builtin_open = os.open, open
+
+        def os_open(file, *args, **kwargs):
+            if str(file).startswith(target):
+                raise PermissionError(errno.EACCES, "Permission denied", str(file))
+            return real_open(file, *args, **kwargs)
+
+        def builtin_open(file, *args, **kwargs):
+            if str(file).startswith(target):
+                raise PermissionError(errno.EACCES, "Permission denied", str(file))
+            return real_builtin_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", os_open)
+        monkeypatch.setattr("builtins.open", builtin_open)
     result = _verify.verify(str(path))
-    assert not result.damaged and [k for k, _ in result.unreadable] == ["w"]
+    assert not result.damaged and [k for k, _ in result.unreadable] == [key]
     assert _cli.main(["verify", str(path)]) == 1
     out = capsys.readouterr()
     assert "UNREADABLE" in out.out and "DAMAGED" not in out.out and "not known to be damaged" in out.err
-    with pytest.raises(jaxckpt.StorageError, match=r"'w'.*refused") as info:
+    with pytest.raises(jaxckpt.StorageError, match=rf"'{key}'.*refused") as info:
         jaxckpt.restore(path)
     assert isinstance(info.value, OSError) and info.value.errno == errno.EACCES
 
@@ -290,6 +404,7 @@ def test_cli_reads_large_arrays_in_bounded_pieces(tmp_path, monkeypatch, capsys,
         return out
 
     monkeypatch.setattr(_tensorstore, "aligned_empty", recording)
+    monkeypatch.setattr(_zarr_local, "aligned_empty", recording)  # format version 4 on a local disk
     assert _cli.main(["show", "--json", pa, "w"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["size"] == a.size and stats["min"] == pytest.approx(float(a.min()))
