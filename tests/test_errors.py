@@ -232,12 +232,28 @@ def test_crafted_index_fields_are_rejected(tmp_path, edit, message):
 def test_index_inconsistent_with_stored_array(tmp_path, monkeypatch):
     monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
     path = jaxckpt.save(tmp_path / "c", {"x": np.ones(3, np.float32), "y": np.ones(4, np.float32)})
+    own_at = json.loads((Path(path) / "index.json").read_text())["leaves"]["x"]["at"]
+    assert own_at["array"] == "a/0"
+    # x pointed at y's array: its zarr.json (format version 4) is checked against what x's index entry implies.
     _rewrite_index(path, lambda b: b["leaves"]["x"].update(at={**b["leaves"]["y"]["at"], "chunks": [3]}))
-    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'x'.*(a/1|shape)"):
+    differs = r"its zarr\.json does not match the index: its 'shape' is \[4\], where the index implies \[3\]"
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=rf"'x' \(array 'a/1' in the checkpoint\): {differs}"):
         jaxckpt.restore(path)
-    # The chunk shape recorded in the index must fit the array it describes.
+    # y's own shard shape [4] is a padded shard for x (allowed in version 4): still the zarr.json check.
     _rewrite_index(path, lambda b: b["leaves"]["x"].update(at=b["leaves"]["y"]["at"]))
-    with pytest.raises(jaxckpt.CheckpointFormatError, match=r"'x'.*chunk shape \[4\] does not fit shape \(3,\)"):
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=rf"'x' \(array 'a/1' in the checkpoint\): {differs}"):
+        jaxckpt.restore(path)
+    # x's own array, with another shard shape in the index: the chunk grid differs.
+    _rewrite_index(path, lambda b: b["leaves"]["x"].update(at={**own_at, "chunks": [2]}))
+    with pytest.raises(
+        jaxckpt.CheckpointCorruptedError,
+        match=r"'x' \(array 'a/0' in the checkpoint\): its zarr\.json does not match the index: its 'chunk_grid' is "
+        r".*\[3\].*where the index implies .*\[2\]",
+    ):
+        jaxckpt.restore(path)
+    # The shard shape recorded in the index must fit the array it describes (padded by less than a shard).
+    _rewrite_index(path, lambda b: b["leaves"]["x"].update(at={**own_at, "chunks": [8]}))
+    with pytest.raises(jaxckpt.CheckpointFormatError, match=r"'x'.*shard shape \[8\] does not fit shape \(3,\)"):
         jaxckpt.restore(path)
 
 
