@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
+from jaxckpt import _zarr_local
 
 
 def mesh(shape, names=("x", "y"), devices=None):
@@ -38,17 +39,27 @@ def state():
 
 
 def test_chunks_follow_the_shards(tmp_path, state, small_packs):
+    """Format version 4: each array's zarr3 outer chunk is its shard (one file per shard, as the index's
+    ``chunks`` records); the inner chunks of the sharding codec follow from it (inner_chunk_shape)."""
     path = Path(jaxckpt.save(tmp_path / "c", state))
     index = json.loads((path / "index.json").read_text())
-    chunks = {}
+    shards, inner = {}, {}
     for key, leaf in index["leaves"].items():
-        spec = {
-            "driver": "zarr3",
-            "kvstore": {"driver": "ocdbt", "base": f"file://{path}/data/", "path": leaf["at"]["array"] + "/"},
-        }
-        chunks[key] = ts.open(spec).result().chunk_layout.read_chunk.shape
-    assert chunks["xy"] == (16, 16) and chunks["x_only"] == (16, 32) and chunks["y_only"] == (64, 16)
-    assert chunks["replicated"] == (64, 32) and chunks["single"] == (64, 32) and chunks["bf16"] == (32, 8)
+        folder = path / "data" / leaf["at"]["array"]
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{folder}/"}}
+        store = ts.open(spec).result()
+        shards[key] = store.chunk_layout.write_chunk.shape
+        inner[key] = store.chunk_layout.read_chunk.shape
+        assert list(shards[key]) == leaf["at"]["chunks"], key
+        itemsize = _zarr_local.numpy_dtype(leaf["at"]["stored"]).itemsize
+        assert inner[key] == _zarr_local.inner_chunk_shape(shards[key], itemsize), key
+        files = sorted(str(p.relative_to(folder)) for p in (folder / "c").rglob("*") if p.is_file())
+        grid = [64 // shards[key][0], 32 // shards[key][1]]
+        assert files == [f"c/{i}/{j}" for i in range(grid[0]) for j in range(grid[1])], (key, files)
+        np.testing.assert_array_equal(store.read().result().astype(np.float32), np.asarray(state[key], np.float32))
+    assert shards["xy"] == (16, 16) and shards["x_only"] == (16, 32) and shards["y_only"] == (64, 16)
+    assert shards["replicated"] == (64, 32) and shards["single"] == (64, 32) and shards["bf16"] == (32, 8)
+    assert inner == shards  # shards of at most 8 KiB: one inner chunk each
     assert index["leaves"]["xy"]["sharding"] == "NamedSharding(mesh={'x': 4, 'y': 2}, spec=('x', 'y'))"
 
 
