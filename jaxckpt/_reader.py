@@ -253,8 +253,7 @@ class Opened:
                 f" and {len(ordered) - 5} more" if len(ordered) > 5 else ""
             )
             raise CheckpointCorruptedError(
-                f"Cannot read the data of {names} (packed in {info.path!r} in the checkpoint): {e.__cause__ or e}. "
-                "The checkpoint's files are damaged or truncated."
+                f"Cannot read the data of {names} (packed in {info.path!r} in the checkpoint): {e}"
             ) from e
         out = {}
         for k in ordered:

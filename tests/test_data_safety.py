@@ -130,12 +130,6 @@ def test_a_deleted_pack_chunk_is_an_error(tmp_path):
         jaxckpt.restore(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="format 4 bug: a deleted pack shard file is reported as '[Errno 2] No such file or directory ... "
-    "damaged or truncated' (Opened._read_packed reports e.__cause__, the raw OSError, dropping "
-    "_zarr_local's 'data is missing from the checkpoint' message); an array's deleted shard says 'missing'",
-)
 def test_a_deleted_pack_shard_file_is_reported_as_missing(tmp_path):
     path = jaxckpt.save(tmp_path / "c", {"small": np.zeros(16, np.float32)})
     (shard,) = _shard_files(Path(path), "p/0")

@@ -426,16 +426,7 @@ def _tree_for_layout(packed: bool):
 
 
 LAYOUTS = [
-    pytest.param(
-        True,
-        id="with a pack and a 1-byte array",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="format 4 bug: TensorStore writes a 1-byte type's bytes codec as {'name': 'bytes'} (no endian), "
-            "and _zarr_meta.metadata_problem refuses that zarr.json as damaged: a checkpoint written to s3:// "
-            "or memory:// and copied to a local disk cannot be restored (CheckpointCorruptedError on 'p/0')",
-        ),
-    ),
+    pytest.param(True, id="with a pack and a 1-byte array"),
     pytest.param(False, id="own arrays of wider types only"),
 ]
 
@@ -497,12 +488,6 @@ def test_memory_store_writes_the_same_layout(tmp_path, monkeypatch, packed):
         _same_bits(restored[key], value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="format 4 bug: TensorStore writes a 1-byte type's bytes codec without 'endian'; the local reader "
-    "refuses that zarr.json (metadata_problem compares codecs exactly), so such arrays written by TensorStore "
-    "(s3://, memory://) and copied to a local disk are reported as damaged",
-)
 @pytest.mark.parametrize("name", ["bool", "int8", "float8_e4m3fn", "int4"])
 def test_one_byte_arrays_written_by_tensorstore_read_locally(tmp_path, small_packs, name):
     value = {
