@@ -392,9 +392,12 @@ class LocalReader:
             local = [(lo - o, hi - o) for (lo, hi), o in zip(sub, origin)]  # within the shard
             ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(local, chunk)]
             spare: np.ndarray | None = None
-            for inner in np.ndindex(*[len(r) for r in ranges]) if ranges else [()]:
-                grid = [r[i] for r, i in zip(ranges, inner)]
-                number = int(np.ravel_multi_index(grid, per_shard)) if grid else 0
+            wanted = [[r[i] for r, i in zip(ranges, inner)] for inner in np.ndindex(*map(len, ranges))]
+            numbers = [int(np.ravel_multi_index(grid, per_shard)) if grid else 0 for grid in wanted]
+            if len(numbers) > 1:  # a cold page cache: ask the disk for all of it at once
+                first, last = min(entries[numbers, 0]), max(entries[numbers, 0] + entries[numbers, 1])
+                os.posix_fadvise(fd, int(first), int(last - first), os.POSIX_FADV_WILLNEED)
+            for grid, number in zip(wanted, numbers):
                 start = [o + g * c for o, g, c in zip(origin, grid, chunk)]  # of the chunk, in the array
                 want = [(max(lo, s), min(hi, s + c)) for (lo, hi), s, c in zip(sub, start, chunk)]
                 target = _at(out, tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(want, box)))

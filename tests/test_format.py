@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tensorstore as ts
 
 import jaxckpt
@@ -123,3 +124,17 @@ def test_index_records_kinds_and_is_plain_json(tmp_path):
     assert index["nodes"][""] == {"kind": "dict", "class": "dict", "keys": ["t", 3]}
     assert index["nodes"]["t"]["kind"] == "tuple" and index["leaves"]["t/0"] == {"type": "int", "value": 1}
     assert index["leaves"]["3/0"]["container"] == "numpy_scalar"
+
+
+def test_an_index_rewritten_in_other_json_spelling_still_reads_and_a_changed_one_does_not(tmp_path):
+    """The index's checksum is of its canonical JSON: a reader checks the bytes as written when they are
+    canonical, and re-encodes otherwise (indented, keys reordered); either way a changed value fails."""
+    path = Path(jaxckpt.save(tmp_path / "c", {"w": np.arange(3.0), "step": 7}))
+    index = path / "index.json"
+    body = json.loads(index.read_text())
+    index.write_text(json.dumps(dict(reversed(list(body.items()))), indent=2))
+    assert jaxckpt.restore(path)["step"] == 7
+    body["leaves"]["step"]["value"] = 8
+    index.write_text(json.dumps(body, sort_keys=True, separators=(",", ":")) + "\n")
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="fails its checksum"):
+        jaxckpt.restore(path)
