@@ -30,6 +30,7 @@ import functools
 import gc
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal, NamedTuple, ParamSpec, TypeGuard, TypeVar
@@ -78,20 +79,30 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+# Pauses in progress in any thread (a background save's recording may overlap the caller's restore):
+# [count, whether they stopped the collector]. The first stops a running one, the last restarts it.
+_pauses, _pauses_lock = [0, False], threading.Lock()
+
+
 def gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``fn`` run with Python's cyclic garbage collector paused (the caller's per-leaf work of a save
-    or a restore). Each leaf makes a few objects, and with 100,000 leaves the collections that
-    these trigger scan ever more of them: a save took 16x as long for 10x the leaves, 10x without."""
+    """``fn`` run with Python's cyclic garbage collector paused (the per-leaf work of a save, in either
+    thread, or of a restore). Each leaf makes a few objects, and with 100,000 leaves the collections
+    that these trigger scan ever more of them: a save took 16x as long for 10x the leaves, 10x without."""
 
     @functools.wraps(fn)
     def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if not gc.isenabled():  # paused already (an outer call, or the user's choice)
-            return fn(*args, **kwargs)
-        gc.disable()
+        with _pauses_lock:
+            if _pauses[0] == 0:
+                _pauses[1] = gc.isenabled()
+                gc.disable()
+            _pauses[0] += 1
         try:
             return fn(*args, **kwargs)
         finally:
-            gc.enable()
+            with _pauses_lock:
+                _pauses[0] -= 1
+                if _pauses[0] == 0 and _pauses[1]:
+                    gc.enable()
 
     return paused
 
@@ -114,12 +125,14 @@ def unescape_edge(edge: str) -> str:
 
 def edges_for(keys: Sequence[str | int]) -> list[str]:
     """The edge names of a node's children, given their original keys."""
-    strs = {k for k in keys if isinstance(k, str)}
+    strs = None
     edges = []
     for k in keys:
         if isinstance(k, str):
-            edges.append(escape_edge(k))
+            edges.append(k if k and "~" not in k and "/" not in k else escape_edge(k))
         else:
+            if strs is None:
+                strs = {k for k in keys if isinstance(k, str)}
             text = str(k)
             edges.append("~i" + text if text in strs else text)
     return edges
@@ -130,7 +143,8 @@ def join(prefix: str, edge: str) -> str:
 
 
 def child_keys(prefix: str, info: NodeInfo) -> list[str]:
-    return [join(prefix, e) for e in edges_for(info.keys)]
+    prefix = prefix + "/" if prefix else ""
+    return [prefix + e for e in edges_for(info.keys)]
 
 
 def describe(key: str) -> str:
@@ -214,6 +228,8 @@ def not_utf8(text: str) -> str | None:
 
 def _check_dict_keys(keys: Sequence[Any], prefix: str) -> None:
     for k in keys:
+        if type(k) is str and k.isascii():
+            continue
         if isinstance(k, bool) or not isinstance(k, (str, int)):
             raise UnsupportedValueError(
                 f"The dict at {describe(prefix)} has the key {k!r} of type {type(k).__name__}; "
@@ -228,6 +244,11 @@ def _check_dict_keys(keys: Sequence[Any], prefix: str) -> None:
 
 def decompose(x: Any, prefix: str = "") -> _Node | None:
     """One level of ``x`` as a node, or None if ``x`` is a leaf."""
+    t = type(x)
+    if t is dict:  # first: a dict is none of the kinds below (the cost of many nodes)
+        keys = list(x)
+        _check_dict_keys(keys, prefix)
+        return _Node(NodeInfo(DICT, "dict", tuple(keys)), list(x.values()), lambda v: dict(zip(keys, v)))
     if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
         return None
     children_of = getattr(type(x), "_jaxckpt_children", None)
@@ -247,11 +268,6 @@ def decompose(x: Any, prefix: str = "") -> _Node | None:
         return _decompose_nnx_state(x, prefix)
     if is_state_object(x):
         return None
-    t = type(x)
-    if t is dict:
-        keys = list(x)
-        _check_dict_keys(keys, prefix)
-        return _Node(NodeInfo(DICT, "dict", tuple(keys)), list(x.values()), lambda v: dict(zip(keys, v)))
     if t is list:
         return _Node(NodeInfo(LIST, "list", tuple(range(len(x)))), list(x), list)
     if t is tuple:
@@ -360,14 +376,25 @@ def flatten(root: Any, prefix: str = "") -> Flat:
     return flat
 
 
+# Types whose objects are leaves as they are (flatten files them at once); jax's array type is added when met.
+_PLAIN_LEAVES: set[type] = {np.ndarray, type(None), bool, int, float, str}
+
+
 def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
     # A module-level function, not a closure: a nested function that calls itself is a reference
     # cycle (function -> cell -> function) holding ``flat``, so every leaf would outlive the save
     # until the garbage collector ran.
-    x = variable_value(x, key)  # a Variable is transparent: its value saves under its key
+    t = type(x)
+    if t in _PLAIN_LEAVES:
+        flat.leaves[key] = x
+        return
+    if t is not dict:
+        x = variable_value(x, key)  # a Variable is transparent: its value saves under its key
     node = decompose(x, key)
     if node is None:
         flat.leaves[key] = x
+        if type(x) is t and isinstance(x, jax.Array) and t.__module__.partition(".")[0] in ("jax", "jaxlib"):
+            _PLAIN_LEAVES.add(t)
         return
     if node.info.kind == CHECKPOINT:
         first = flat._first.get(id(x))
@@ -384,7 +411,10 @@ def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
     path.add(id(x))
     flat.nodes[key] = node.info
     for child_key, child in zip(child_keys(key, node.info), node.children):
-        _walk(child, child_key, flat, path)
+        if type(child) in _PLAIN_LEAVES:
+            flat.leaves[child_key] = child
+        else:
+            _walk(child, child_key, flat, path)
     path.discard(id(x))
 
 
