@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import weakref
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,10 +29,11 @@ from jaxckpt._format import (
     ValueLeaf,
     data_store,
 )
+from jaxckpt._gc_pause import gc_paused, pause
 from jaxckpt._index_json import encode_index
 from jaxckpt._snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, whole
 from jaxckpt._snapshot import owners as _owners
-from jaxckpt._tree import Flat, PathLike, describe, flatten, gc_paused
+from jaxckpt._tree import Flat, PathLike, describe, flatten
 from jaxckpt._version import __version__
 
 
@@ -136,6 +139,10 @@ def host_memory_budget() -> int:
         return 4 << 30
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclasses.dataclass
 class Prepared:
     """A save whose snapshot is taken: what remains can run in the background (:func:`write_and_publish`)."""
@@ -154,9 +161,9 @@ class Prepared:
     # Each process's own whole copy on its own disk (a two-tier manager's local tier): every process
     # publishes its folder, with the packs and every region it holds, in the store the index names.
     own_copy: bool = False
+    end_pause: Callable[[], None] = _nothing  # ends prepare's pause of the garbage collector
 
 
-@gc_paused
 def prepare(
     path: PathLike, root: Any, *, overwrite: bool = False, budget: int | None = None, own_copy: bool = False
 ) -> Prepared:
@@ -169,7 +176,25 @@ def prepare(
     longer call, not more memory. ``budget`` overrides :func:`host_memory_budget`. ``own_copy``: each
     process writes a whole checkpoint of its own at ``path`` (its own disk), holding the packs and
     every region it has (see :class:`Prepared`).
+
+    The garbage collector stays paused until what was taken is recorded: the collection it put off
+    (of every object the snapshot made) then runs there, not in the caller's thread as the call ends.
     """
+    end_pause = pause()
+    try:
+        p = _prepare(path, root, overwrite, budget, own_copy)
+    except BaseException:
+        end_pause()
+        raise
+    if p.taken is None:
+        end_pause()
+    else:
+        p.end_pause = end_pause
+        weakref.finalize(p, end_pause)  # a save dropped unwritten (every process's agreement failed)
+    return p
+
+
+def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own_copy: bool) -> Prepared:
     dest = _storage.location(path)
     _staging.check_writable(dest, overwrite)
     flat = flatten(root)
@@ -204,12 +229,9 @@ def prepare(
 def _take(flat: Flat, me: int, own_copy: bool, budget: int) -> dict[str, Any] | None:
     """Every leaf taken (see :class:`Taker`), or None if the copies would outgrow ``budget``."""
     taker = Taker(me, own_copy, eager=False)
-    take = taker.take
-    taken = {}
-    for key, x in flat.leaves.items():
-        taken[key] = take(key, x)
-        if taker.copied > budget:
-            return None
+    taken = taker.take_all(flat.leaves, budget)
+    if taken is None:
+        return None
     if taker.later:
         if taker.copied + taker.later_bytes() > budget:
             return None
@@ -238,13 +260,15 @@ class _Records:
         if isinstance(item, ValueLeaf):
             self.leaves[key] = item
             return
+        if isinstance(item, np.ndarray):  # a jax.Array on process 0's CPU device: its view (Taker.take_all)
+            item = [JAX, None, item, item, 0]
         container, impl, x, host, copied = item
         fresh = isinstance(x, Deferred)
         if fresh:  # read only now; no one else holds it, so it needs no snapshot copy
             x = host = _checked_read(key, x)
             copied = host.nbytes
         dtype, shape = np.dtype(x.dtype), tuple(x.shape)
-        sharding = describe_sharding(x) if container == JAX else None
+        sharding = describe_sharding(x) if isinstance(x, jax.Array) else None
         at = self._store(dtype, shape, x, host, fresh)
         self.leaves[key] = ArrayLeaf(dtype, shape, container, at, impl, sharding)
         self._held += copied
@@ -315,14 +339,18 @@ def _record(p: Prepared) -> Index:
     taken = p.taken
     assert taken is not None
     p.taken = None
-    for key in list(taken):
-        p.records.add(key, taken.pop(key))
-    return p.records.index(p.flat)
+    try:
+        for key in list(taken):
+            p.records.add(key, taken.pop(key))
+        return p.records.index(p.flat)
+    finally:
+        p.end_pause()
 
 
 def write_and_publish(p: Prepared) -> str:
-    """The rest of a save: record the leaves that the snapshot took, write the data, wait for every process, then the primary writes the index
-    and publishes; returns the path once the checkpoint is visible."""
+    """The rest of a save: record what the snapshot took (:func:`prepare`), write the data, wait for
+    every process, then the primary writes the index and publishes; returns the path once the
+    checkpoint is visible."""
     primary = _multihost.is_primary() or p.own_copy
     try:
         if p.index is None:
@@ -338,6 +366,8 @@ def write_and_publish(p: Prepared) -> str:
         if primary:  # the others may still be writing into it; a manager removes what is left
             _staging.discard(p.staging)
         raise
+    finally:
+        p.end_pause()
     return p.path
 
 

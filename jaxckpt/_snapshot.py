@@ -173,20 +173,39 @@ class Taker:
         self.me, self.own_copy, self.eager = me, own_copy, eager
         self.copied = 0  # bytes of copies taken (a CPU array's view costs none)
         self.later: list[tuple[str, list[Any]]] = []
-        self._local_cpu: dict[int, tuple[Any, bool]] = {}  # id(sharding) -> (sharding, on one CPU device here)
+        # Whether a sharding is one CPU device of this process: by id (the sharding held, so that its id
+        # stays its own), and by equality (arrays out of a jitted step each have their own sharding).
+        self._by_id: dict[int, tuple[Any, bool]] = {}
+        self._local_cpu: dict[Any, bool] = {}
         self._dtypes: set[np.dtype] = set()
+
+    def take_all(self, leaves: dict[str, Any], budget: int) -> dict[str, Any] | None:
+        """Every leaf taken, or None as soon as the copies pass ``budget`` bytes. An array on process
+        0's CPU device is taken as just its host view (its record is that of a jax.Array on one
+        device): the cheapest snapshot there is, and the common case of many small leaves."""
+        taken: dict[str, Any] = {}
+        by_id, local_cpu, dtypes, asarray = self._by_id, self._local_cpu, self._dtypes, np.asarray
+        primary = self.me == 0
+        for key, x in leaves.items():
+            if isinstance(x, jax.Array) and primary:
+                sharding = x.sharding
+                known = by_id.get(id(sharding))
+                if (known[1] if known is not None else local_cpu.get(sharding)) and x.dtype in dtypes:  # as _take_jax
+                    try:
+                        taken[key] = asarray(x)
+                        continue
+                    except RuntimeError:
+                        if x.is_deleted():
+                            raise deleted(key) from None
+                        raise
+            taken[key] = self.take(key, x)
+            if self.copied > budget:
+                return None
+        return taken
 
     def take(self, key: str, x: Any) -> Any:
         """A ValueLeaf, or an array leaf's ``[container, prng impl, array, host data, bytes copied]``."""
         if isinstance(x, jax.Array):
-            known = self._local_cpu.get(id(x.sharding))
-            if known is not None and known[1] and x.dtype in self._dtypes:  # as _take_jax, quicker
-                try:
-                    return [JAX, None, x, np.asarray(x), 0]
-                except RuntimeError:
-                    if x.is_deleted():
-                        raise deleted(key) from None
-                    raise
             return self._take_jax(key, x)
         if isinstance(x, np.ndarray):
             self._check_dtype(key, x, x.dtype)
@@ -221,13 +240,14 @@ class Taker:
             x = jax.random.key_data(x)
         self._check_dtype(key, x, x.dtype)
         sharding = x.sharding
-        known = self._local_cpu.get(id(sharding))
-        if known is None:
+        here = self._local_cpu.get(sharding)
+        if here is None:  # shardings are equal where their devices are (each array may have its own)
             devices = sharding.device_set
             device = next(iter(devices))
             here = len(devices) == 1 and device.platform == "cpu" and device.process_index == self.me  # type: ignore[attr-defined]
-            known = self._local_cpu[id(sharding)] = (sharding, here)  # the sharding held: its id stays its own
-        if known[1]:  # the cheapest snapshot: one view of its one buffer, which it keeps alive
+            self._local_cpu[sharding] = here
+        self._by_id[id(sharding)] = (sharding, here)
+        if here:  # the cheapest snapshot: one view of its one buffer, which it keeps alive
             return [JAX, impl, x, np.asarray(x), 0]
         item = [JAX, impl, x, LATER, 0]
         if self.eager:

@@ -26,19 +26,17 @@ restores into any other:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import gc
 import os
 import sys
-import threading
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, NamedTuple, ParamSpec, TypeGuard, TypeVar
+from typing import Any, Final, Literal, NamedTuple, TypeGuard
 
 import jax
 import numpy as np
 
 from jaxckpt._errors import MismatchError, MissingKeyError, UnsupportedValueError
+from jaxckpt._gc_pause import gc_paused as gc_paused  # where the other modules have always found it
 
 # A path as users give it (jaxckpt's calls take either).
 PathLike = str | os.PathLike[str]
@@ -73,38 +71,6 @@ class _Node(NamedTuple):
     info: NodeInfo
     children: list[Any]
     rebuild: Callable[[list[Any]], Any]
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-# Pauses in progress in any thread (a background save's recording may overlap the caller's restore):
-# [count, whether they stopped the collector]. The first stops a running one, the last restarts it.
-_pauses, _pauses_lock = [0, False], threading.Lock()
-
-
-def gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``fn`` run with Python's cyclic garbage collector paused (the per-leaf work of a save, in either
-    thread, or of a restore). Each leaf makes a few objects, and with 100,000 leaves the collections
-    that these trigger scan ever more of them: a save took 16x as long for 10x the leaves, 10x without."""
-
-    @functools.wraps(fn)
-    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with _pauses_lock:
-            if _pauses[0] == 0:
-                _pauses[1] = gc.isenabled()
-                gc.disable()
-            _pauses[0] += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            with _pauses_lock:
-                _pauses[0] -= 1
-                if _pauses[0] == 0 and _pauses[1]:
-                    gc.enable()
-
-    return paused
 
 
 # --- edges and keys --------------------------------------------------------------------------
@@ -244,11 +210,6 @@ def _check_dict_keys(keys: Sequence[Any], prefix: str) -> None:
 
 def decompose(x: Any, prefix: str = "") -> _Node | None:
     """One level of ``x`` as a node, or None if ``x`` is a leaf."""
-    t = type(x)
-    if t is dict:  # first: a dict is none of the kinds below (the cost of many nodes)
-        keys = list(x)
-        _check_dict_keys(keys, prefix)
-        return _Node(NodeInfo(DICT, "dict", tuple(keys)), list(x.values()), lambda v: dict(zip(keys, v)))
     if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
         return None
     children_of = getattr(type(x), "_jaxckpt_children", None)
@@ -268,6 +229,11 @@ def decompose(x: Any, prefix: str = "") -> _Node | None:
         return _decompose_nnx_state(x, prefix)
     if is_state_object(x):
         return None
+    t = type(x)
+    if t is dict:
+        keys = list(x)
+        _check_dict_keys(keys, prefix)
+        return _Node(NodeInfo(DICT, "dict", tuple(keys)), list(x.values()), lambda v: dict(zip(keys, v)))
     if t is list:
         return _Node(NodeInfo(LIST, "list", tuple(range(len(x)))), list(x), list)
     if t is tuple:
@@ -388,29 +354,33 @@ def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
     if t in _PLAIN_LEAVES:
         flat.leaves[key] = x
         return
-    if t is not dict:
+    if t is dict:  # as decompose makes it, without what only rebuild needs (the cost of many nodes)
+        keys = list(x)
+        _check_dict_keys(keys, key)
+        info, children = NodeInfo(DICT, "dict", tuple(keys)), x.values()
+    else:
         x = variable_value(x, key)  # a Variable is transparent: its value saves under its key
-    node = decompose(x, key)
-    if node is None:
-        flat.leaves[key] = x
-        if type(x) is t and isinstance(x, jax.Array) and t.__module__.partition(".")[0] in ("jax", "jaxlib"):
-            _PLAIN_LEAVES.add(t)
-        return
-    if node.info.kind == CHECKPOINT:
-        first = flat._first.get(id(x))
-        if first is not None:
-            flat.nodes[key] = NodeInfo(CHECKPOINT, node.info.cls, ())
-            flat.aliases[key] = first
+        node = decompose(x, key)
+        if node is None:
+            flat.leaves[key] = x
+            if type(x) is t and isinstance(x, jax.Array) and t.__module__.partition(".")[0] in ("jax", "jaxlib"):
+                _PLAIN_LEAVES.add(t)
             return
-        flat._first[id(x)] = key
+        info, children = node.info, node.children
+        if info.kind == CHECKPOINT:
+            first = flat._first.get(id(x))
+            if first is not None:
+                flat.nodes[key], flat.aliases[key] = NodeInfo(CHECKPOINT, info.cls, ()), first
+                return
+            flat._first[id(x)] = key
     if id(x) in path:
         raise UnsupportedValueError(
             f"Cannot use {describe(key)}: the {type(x).__name__} there contains itself (a reference cycle); "
             "jaxckpt stores trees. Break the cycle."
         )
     path.add(id(x))
-    flat.nodes[key] = node.info
-    for child_key, child in zip(child_keys(key, node.info), node.children):
+    flat.nodes[key] = info
+    for child_key, child in zip(child_keys(key, info), children):
         if type(child) in _PLAIN_LEAVES:
             flat.leaves[child_key] = child
         else:
