@@ -260,8 +260,9 @@ class _Records:
         if isinstance(item, ValueLeaf):
             self.leaves[key] = item
             return
-        if isinstance(item, np.ndarray):  # a jax.Array on process 0's CPU device: its view (Taker.take_all)
-            item = [JAX, None, item, item, 0]
+        if isinstance(item, (np.ndarray, memoryview)):  # a jax.Array on process 0's CPU device: a view (take_all)
+            view = np.asarray(item)
+            item = [JAX, None, view, view, 0]
         container, impl, x, host, copied = item
         fresh = isinstance(x, Deferred)
         if fresh:  # read only now; no one else holds it, so it needs no snapshot copy

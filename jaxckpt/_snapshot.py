@@ -177,24 +177,27 @@ class Taker:
         # stays its own), and by equality (arrays out of a jitted step each have their own sharding).
         self._by_id: dict[int, tuple[Any, bool]] = {}
         self._local_cpu: dict[Any, bool] = {}
-        self._dtypes: set[np.dtype] = set()
+        # Dtypes checked -> how a view of a CPU array of it is taken: a memoryview (its buffer, the
+        # quickest) where jax exports numpy's own dtypes, else np.asarray (bfloat16, float8...).
+        self._dtypes: dict[Any, Callable[[Any], Any]] = {}
 
     def take_all(self, leaves: dict[str, Any], budget: int) -> dict[str, Any] | None:
         """Every leaf taken, or None as soon as the copies pass ``budget`` bytes. An array on process
-        0's CPU device is taken as just its host view (its record is that of a jax.Array on one
-        device): the cheapest snapshot there is, and the common case of many small leaves."""
+        0's CPU device is taken as just a view of its buffer (a memoryview or an ndarray; its record
+        is that of a jax.Array on one device): the cheapest snapshot there is, and the common case
+        of many small leaves."""
         taken: dict[str, Any] = {}
-        by_id, local_cpu, dtypes, asarray = self._by_id, self._local_cpu, self._dtypes, np.asarray
-        primary = self.me == 0
+        by_id, local_cpu, dtypes, primary = self._by_id, self._local_cpu, self._dtypes, self.me == 0
         for key, x in leaves.items():
             if isinstance(x, jax.Array) and primary:
                 sharding = x.sharding
                 known = by_id.get(id(sharding))
-                if (known[1] if known is not None else local_cpu.get(sharding)) and x.dtype in dtypes:  # as _take_jax
+                view = dtypes.get(x.dtype)
+                if view is not None and (known[1] if known is not None else local_cpu.get(sharding)):  # as _take_jax
                     try:
-                        taken[key] = asarray(x)
+                        taken[key] = view(x)
                         continue
-                    except RuntimeError:
+                    except (RuntimeError, BufferError):
                         if x.is_deleted():
                             raise deleted(key) from None
                         raise
@@ -229,7 +232,7 @@ class Taker:
         if dtype not in self._dtypes:
             if not isinstance(dtype, np.dtype) or dtype_name(dtype) is None:
                 raise unsupported(key, x, f"Its dtype {dtype} cannot be stored; convert it to a numeric dtype.")
-            self._dtypes.add(dtype)
+            self._dtypes[dtype] = memoryview if dtype.isbuiltin == 1 and dtype.kind in "biufc" else np.asarray
 
     def _take_jax(self, key: str, x: jax.Array) -> list[Any]:
         if x.is_deleted():

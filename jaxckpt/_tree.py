@@ -329,6 +329,8 @@ class Flat:
     # aliases the key where it was first met: an object graph, each object stored once.
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     _first: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
+    # A dict's keys -> its node's info and edges: the dicts of a model's layers share them, made once.
+    _dicts: dict[tuple[Any, ...], tuple[NodeInfo, list[str]]] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def flatten(root: Any, prefix: str = "") -> Flat:
@@ -339,6 +341,7 @@ def flatten(root: Any, prefix: str = "") -> Flat:
     # flattened first, so this check covers restores as well.)
     _walk(root, prefix, flat, set())
     flat._first.clear()  # ids only mean something while the objects are known alive
+    flat._dicts.clear()
     return flat
 
 
@@ -355,9 +358,14 @@ def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
         flat.leaves[key] = x
         return
     if t is dict:  # as decompose makes it, without what only rebuild needs (the cost of many nodes)
-        keys = list(x)
-        _check_dict_keys(keys, key)
-        info, children = NodeInfo(DICT, "dict", tuple(keys)), x.values()
+        keys = tuple(x)
+        known = flat._dicts.get(keys)
+        if known is None:
+            _check_dict_keys(keys, key)
+            known = flat._dicts[keys] = (NodeInfo(DICT, "dict", keys), edges_for(keys))
+        (info, edges), children = known, x.values()
+        prefix = key + "/" if key else ""
+        child_keys_ = [prefix + e for e in edges]
     else:
         x = variable_value(x, key)  # a Variable is transparent: its value saves under its key
         node = decompose(x, key)
@@ -367,6 +375,7 @@ def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
                 _PLAIN_LEAVES.add(t)
             return
         info, children = node.info, node.children
+        child_keys_ = child_keys(key, info)
         if info.kind == CHECKPOINT:
             first = flat._first.get(id(x))
             if first is not None:
@@ -380,7 +389,7 @@ def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
         )
     path.add(id(x))
     flat.nodes[key] = info
-    for child_key, child in zip(child_keys(key, info), children):
+    for child_key, child in zip(child_keys_, children):
         if type(child) in _PLAIN_LEAVES:
             flat.leaves[child_key] = child
         else:
