@@ -362,7 +362,9 @@ def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
         known = flat._dicts.get(keys)
         if known is None:
             _check_dict_keys(keys, key)
-            known = flat._dicts[keys] = (NodeInfo(DICT, "dict", keys), edges_for(keys))
+            known = (NodeInfo(DICT, "dict", keys), edges_for(keys))
+            if all(type(k) is str for k in keys):  # not numbers: 1 == 1.0 == True, and only int is a key
+                flat._dicts[keys] = known
         (info, edges), children = known, x.values()
         prefix = key + "/" if key else ""
         child_keys_ = [prefix + e for e in edges]
