@@ -37,7 +37,7 @@ from jaxckpt._tree import Flat, PathLike, describe, flatten
 from jaxckpt._version import __version__
 
 
-def describe_sharding(x: jax.Array) -> str | None:
+def describe_sharding(x: jax.Array | jax.ShapeDtypeStruct) -> str | None:
     sharding = x.sharding
     if len(sharding.device_set) <= 1:
         return None
@@ -77,7 +77,9 @@ class _Packer:
         self._built = max(self._built, end)
 
 
-def _layout(x: jax.Array, owners: dict[tuple[tuple[int, int], ...], Any], meshes: dict[int, Any]) -> Layout | None:
+def _layout(
+    x: jax.Array | jax.ShapeDtypeStruct, owners: dict[tuple[tuple[int, int], ...], Any], meshes: dict[int, Any]
+) -> Layout | None:
     """The layout (mesh and partition spec) that gives exactly these owners' regions, or None when
     the sharding has none (not a NamedSharding, uneven shards, an unusual spec): its regions are then
     listed. ``meshes`` maps id(jax mesh) -> (mesh, MeshRecord), shared by the arrays of one save."""
@@ -219,6 +221,9 @@ def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own
             p.index = records.index(flat)
         if own_copy:
             records.writer_for(DATA_DIR)  # opened now: write_and_publish hands the last pack to it
+        # Taken: holding the leaves would keep the caller's old arrays (and device memory) alive
+        # until the background is done.
+        flat.leaves = {}
     except BaseException:
         if me == 0 or own_copy:  # the others may be writing into it; a manager removes what is left
             _staging.discard(staging)
@@ -269,7 +274,7 @@ class _Records:
             x = host = _checked_read(key, x)
             copied = host.nbytes
         dtype, shape = np.dtype(x.dtype), tuple(x.shape)
-        sharding = describe_sharding(x) if isinstance(x, jax.Array) else None
+        sharding = describe_sharding(x) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
         at = self._store(dtype, shape, x, host, fresh)
         self.leaves[key] = ArrayLeaf(dtype, shape, container, at, impl, sharding)
         self._held += copied

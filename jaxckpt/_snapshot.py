@@ -114,8 +114,9 @@ def region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int,
 
 def owners(x: Any) -> dict[tuple[tuple[int, int], ...], Any]:
     """Each region (shard) of ``x`` -> the device that writes it: the first to hold it, in the
-    sharding's device order, which every process sees alike. Host data belongs to process 0."""
-    if not isinstance(x, jax.Array):
+    sharding's device order, which every process sees alike. Host data belongs to process 0.
+    ``x`` may also be the stand-in of a taken array (:meth:`Taker._take_host`)."""
+    if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or x.sharding is None:
         return {tuple((0, n) for n in np.shape(x)): None}
     devices = x.sharding.device_set
     if len(devices) == 1:  # the common case, and the cost of 10,000 small leaves: no index map
@@ -293,6 +294,9 @@ class Taker:
         else:
             item[3] = []
         self.copied += item[4]
+        # What is left to know of the array: holding it would keep its device memory (the caller's
+        # old state, on an accelerator) until the background is done with the host copies.
+        item[2] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def whole(shape: tuple[int, ...]) -> tuple[slice, ...]:
