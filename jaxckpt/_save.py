@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
+import weakref
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +18,7 @@ from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
     DATA_DIR,
     JAX,
-    NUMPY,
-    NUMPY_SCALAR,
     ArrayLeaf,
-    Container,
     InArray,
     Index,
     InPack,
@@ -30,98 +28,22 @@ from jaxckpt._format import (
     Pack,
     ValueLeaf,
     data_store,
-    dtype_name,
 )
+from jaxckpt._gc_pause import gc_paused, pause
 from jaxckpt._index_json import encode_index
-from jaxckpt._tree import PathLike, describe, flatten, gc_paused, is_state_object, not_utf8
+from jaxckpt._snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, whole
+from jaxckpt._snapshot import owners as _owners
+from jaxckpt._tree import Flat, PathLike, describe, flatten
 from jaxckpt._version import __version__
 
 
-def describe_sharding(x: jax.Array) -> str | None:
+def describe_sharding(x: jax.Array | jax.ShapeDtypeStruct) -> str | None:
     sharding = x.sharding
     if len(sharding.device_set) <= 1:
         return None
     if isinstance(sharding, jax.sharding.NamedSharding):
         return f"NamedSharding(mesh={dict(sharding.mesh.shape)}, spec={tuple(sharding.spec)})"
     return f"{type(sharding).__name__}({len(sharding.device_set)} devices)"
-
-
-def _unsupported(key: str, x: Any, hint: str = "") -> UnsupportedValueError:
-    t = type(x)
-    return UnsupportedValueError(
-        f"Cannot save {describe(key)}: values of type {t.__module__}.{t.__qualname__} are not supported. "
-        + (hint or "Save arrays, Python scalars, str, None, pytrees of them, or objects with get_state()/set_state().")
-    )
-
-
-def _array_leaf(key: str, x: Any) -> tuple[ArrayLeaf, Any]:
-    """The record of an array leaf (its location filled in later) and the data to store."""
-    impl = None
-    sharding = None
-    container: Container
-    if isinstance(x, jax.Array):
-        container = JAX
-        sharding = describe_sharding(x)
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            impl = str(jax.random.key_impl(x))
-            x = jax.random.key_data(x)
-    elif isinstance(x, np.generic):
-        container, x = NUMPY_SCALAR, np.asarray(x)
-    else:
-        container = NUMPY
-    dtype = np.dtype(x.dtype)
-    if dtype_name(dtype) is None:
-        raise _unsupported(key, x, f"Its dtype {dtype} cannot be stored; convert it to a numeric dtype.")
-    return ArrayLeaf(dtype, tuple(x.shape), container, InArray("", ""), impl, sharding), x
-
-
-# Python ints are stored as JSON numbers; Python's own parser refuses more than 4300 digits
-# (sys.get_int_max_str_digits), so jaxckpt refuses ints it could not read back.
-MAX_INT_DIGITS = 4000
-_INT_LIMIT = 10**MAX_INT_DIGITS
-
-
-def _json_int(key: str, x: int) -> int:
-    if x.bit_length() > 13_000 and abs(x) >= _INT_LIMIT:  # 10**4000 has 13,288 bits
-        raise UnsupportedValueError(
-            f"Cannot save {describe(key)}: the Python int has {x.bit_length()} bits, over {MAX_INT_DIGITS} decimal "
-            "digits, more than JSON readers accept. Save it as a str, or as an array of digits."
-        )
-    return x
-
-
-def _utf8(key: str, x: str) -> str:
-    why = not_utf8(x)
-    if why is not None:
-        raise UnsupportedValueError(
-            f"Cannot save {describe(key)}: the str is not valid Unicode ({why}), so it cannot be written as "
-            "UTF-8. Remove the lone surrogate, or save bytes as an array."
-        )
-    return x
-
-
-def _value_leaf(key: str, x: Any) -> ValueLeaf | None:
-    if x is None:
-        return ValueLeaf("none", None)
-    if isinstance(x, bool):
-        return ValueLeaf("bool", x)
-    if isinstance(x, int):
-        return ValueLeaf("int", _json_int(key, int(x)))
-    if isinstance(x, float):
-        return ValueLeaf("float", float(x))
-    if isinstance(x, str):
-        return ValueLeaf("str", _utf8(key, str(x)))
-    if is_state_object(x):
-        state = x.get_state()
-        try:  # as the index encodes it: UTF-8, so a lone surrogate fails here and not in the background
-            json.dumps(state, allow_nan=False, ensure_ascii=False).encode("utf-8")
-        except (TypeError, ValueError) as e:
-            raise UnsupportedValueError(
-                f"Cannot save {describe(key)}: {type(x).__name__}.get_state() returned a value that is not JSON ({e}). "
-                "Return dicts, lists, str, int, finite floats, bool and None."
-            ) from e
-        return ValueLeaf("state", state)
-    return None
 
 
 class _Packer:
@@ -155,34 +77,9 @@ class _Packer:
         self._built = max(self._built, end)
 
 
-def _on_cpu(x: jax.Array) -> bool:
-    # jax's Device is an alias of jaxlib's extension type, which has no stubs: mypy sees no attributes.
-    return all(d.platform == "cpu" for d in x.sharding.device_set)  # type: ignore[attr-defined]
-
-
-def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-def _owners(x: Any) -> dict[tuple[tuple[int, int], ...], Any]:
-    """Each region (shard) of ``x`` -> the device that writes it: the first to hold it, in the
-    sharding's device order, which every process sees alike. Host data belongs to process 0."""
-    if not isinstance(x, jax.Array):
-        return {tuple((0, n) for n in np.shape(x)): None}
-    devices = x.sharding.device_set
-    if len(devices) == 1:  # the common case, and the cost of 10,000 small leaves: no index map
-        return {tuple((0, n) for n in x.shape): next(iter(devices))}
-    owners: dict[tuple[tuple[int, int], ...], Any] = {}
-    for device, index in x.sharding.devices_indices_map(x.shape).items():
-        owners.setdefault(_region(index, x.shape), device)
-    return owners
-
-
-def _process_of(device: Any) -> int:
-    return 0 if device is None else device.process_index
-
-
-def _layout(x: jax.Array, owners: dict[tuple[tuple[int, int], ...], Any], meshes: dict[int, Any]) -> Layout | None:
+def _layout(
+    x: jax.Array | jax.ShapeDtypeStruct, owners: dict[tuple[tuple[int, int], ...], Any], meshes: dict[int, Any]
+) -> Layout | None:
     """The layout (mesh and partition spec) that gives exactly these owners' regions, or None when
     the sharding has none (not a NamedSharding, uneven shards, an unusual spec): its regions are then
     listed. ``meshes`` maps id(jax mesh) -> (mesh, MeshRecord), shared by the arrays of one save."""
@@ -227,62 +124,10 @@ def _layout(x: jax.Array, owners: dict[tuple[tuple[int, int], ...], Any], meshes
         tuple(box): store
         for store, box in _format.pieces(InArray("", "", layout=layout), x.shape, [(0, n) for n in x.shape])
     }
-    if computed != {region: data_store(_process_of(d)) for region, d in owners.items()}:
+    if computed != {region: data_store(process_of(d)) for region, d in owners.items()}:
         return None
     meshes.setdefault(id(mesh), (mesh, record))
     return layout
-
-
-def _snapshot(
-    x: Any, owners: dict[tuple[tuple[int, int], ...], Any]
-) -> tuple[list[tuple[tuple[slice, ...], np.ndarray]], int]:
-    """Host data of the regions of ``x`` that this process owns: ([(region, data)], bytes copied).
-
-    For a jax.Array, the shards on owning devices here. On CPU, ``np.asarray`` of a shard is a
-    read-only view of its buffer: no copy, and safe even when the train step donates the array right
-    after, since XLA does not reuse a buffer that a view holds. On an accelerator it is the
-    device-to-host copy. A numpy array is copied, because its owner may change it in place once the
-    save has returned.
-    """
-    if isinstance(x, jax.Array):
-        # A shard is written from its owning device; shards here are on this process's devices.
-        parts = [
-            (s.index, np.asarray(s.data)) for s in x.addressable_shards if owners[_region(s.index, x.shape)] == s.device
-        ]
-        return parts, 0 if _on_cpu(x) else sum(d.nbytes for _, d in parts)
-    data = np.array(x, copy=True)
-    return [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
-
-
-def _held_parts(
-    x: Any, owners: dict[tuple[tuple[int, int], ...], Any]
-) -> dict[str, list[tuple[tuple[slice, ...], np.ndarray]]]:
-    """An own copy's data: every region of ``x`` this process holds, once each, by the data store of
-    the process that owns the region (the store the index names for it)."""
-    if not isinstance(x, jax.Array):
-        return {DATA_DIR: [(tuple(slice(None) for _ in np.shape(x)), np.array(x, copy=True))]}
-    out: dict[str, list[tuple[tuple[slice, ...], np.ndarray]]] = {}
-    seen = set()
-    for s in x.addressable_shards:
-        region = _region(s.index, x.shape)
-        if region not in seen:
-            seen.add(region)
-            out.setdefault(data_store(_process_of(owners[region])), []).append((s.index, np.asarray(s.data)))
-    return out
-
-
-def _on_cpu_data(x: Any) -> bool:
-    return isinstance(x, jax.Array) and _on_cpu(x)
-
-
-class Deferred:
-    """An array that a save reads only when it reaches it (``jaxckpt convert``): a value of another
-    checkpoint, so that converting holds about one array at a time, not the whole checkpoint."""
-
-    __slots__ = ("dtype", "read", "shape")
-
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, read: Callable[[], np.ndarray]) -> None:
-        self.shape, self.dtype, self.read = shape, dtype, read
 
 
 def host_memory_budget() -> int:
@@ -296,6 +141,10 @@ def host_memory_budget() -> int:
         return 4 << 30
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclasses.dataclass
 class Prepared:
     """A save whose snapshot is taken: what remains can run in the background (:func:`write_and_publish`)."""
@@ -305,31 +154,52 @@ class Prepared:
     staging: _storage.Location
     token: str
     overwrite: bool
-    index: Index
-    writer: _tensorstore.Writer
-    packer: _Packer
+    records: _Records
+    flat: Flat
+    # What the snapshot took, by key, not recorded yet (None once recorded): write_and_publish records
+    # it first, so that an async save's caller waits only for the snapshot.
+    taken: dict[str, Any] | None
+    index: Index | None = None
     # Each process's own whole copy on its own disk (a two-tier manager's local tier): every process
     # publishes its folder, with the packs and every region it holds, in the store the index names.
     own_copy: bool = False
-    writers: dict[str, _tensorstore.Writer] = dataclasses.field(default_factory=dict)
+    end_pause: Callable[[], None] = _nothing  # ends prepare's pause of the garbage collector
 
 
-@gc_paused
 def prepare(
     path: PathLike, root: Any, *, overwrite: bool = False, budget: int | None = None, own_copy: bool = False
 ) -> Prepared:
-    """The blocking part of a save: check the destination, record every leaf, snapshot array data.
+    """The blocking part of a save: check the destination and every leaf, and take the snapshot
+    (:mod:`jaxckpt._snapshot`); the records, packs and index are made by :func:`write_and_publish`.
 
     Every process of a multi-process run calls it alike; each snapshots the regions it owns. When
-    the snapshot's copies outgrow the host memory budget, what is recorded so far is written out
-    first, so a state larger than the budget costs a longer call, not more memory. ``budget``
-    overrides :func:`host_memory_budget`. ``own_copy``: each process writes a whole checkpoint of
-    its own at ``path`` (its own disk), holding the packs and every region it has (see :class:`Prepared`).
+    the snapshot's copies would outgrow the host memory budget, the leaves are recorded here instead,
+    and what is recorded so far is written out first, so a state larger than the budget costs a
+    longer call, not more memory. ``budget`` overrides :func:`host_memory_budget`. ``own_copy``: each
+    process writes a whole checkpoint of its own at ``path`` (its own disk), holding the packs and
+    every region it has (see :class:`Prepared`).
+
+    The garbage collector stays paused until what was taken is recorded: the collection it put off
+    (of every object the snapshot made) then runs there, not in the caller's thread as the call ends.
     """
+    end_pause = pause()
+    try:
+        p = _prepare(path, root, overwrite, budget, own_copy)
+    except BaseException:
+        end_pause()
+        raise
+    if p.taken is None:
+        end_pause()
+    else:
+        p.end_pause = end_pause
+        weakref.finalize(p, end_pause)  # a save dropped unwritten (every process's agreement failed)
+    return p
+
+
+def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own_copy: bool) -> Prepared:
     dest = _storage.location(path)
     _staging.check_writable(dest, overwrite)
     flat = flatten(root)
-    _check_live_and_copy(flat.leaves)
     me = _multihost.process_index()
     if own_copy and dest.local is None:
         raise ValueError(f"A process's own copy goes to its local disk, not to {dest.text!r}.")
@@ -338,48 +208,45 @@ def prepare(
     token = _multihost.shared_token()
     staging = _staging.staging_folder(dest, token, own=own_copy)
     try:
+        limit = host_memory_budget() if budget is None else budget
         writer = _tensorstore.Writer((staging / data_store(me)).spec())
-        records = _Records(
-            writer, me, host_memory_budget() if budget is None else budget, staging if own_copy else None
-        )
-        for key, x in flat.leaves.items():
-            records.add(key, x)
+        records = _Records(writer, me, limit, staging if own_copy else None)
+        taken = _take(flat, me, own_copy, limit)
+        p = Prepared(os.fspath(path), dest, staging, token, overwrite, records, flat, taken, own_copy=own_copy)
+        if p.taken is None:  # over the budget: recorded, and written out in parts, here
+            taker = Taker(me, own_copy, eager=True)
+            check_live_and_copy(flat.leaves)
+            for key, x in flat.leaves.items():
+                records.add(key, taker.take(key, x))
+            p.index = records.index(flat)
         if own_copy:
             records.writer_for(DATA_DIR)  # opened now: write_and_publish hands the last pack to it
-        packs = [Pack(f"p/{i}", size, _tensorstore.pack_chunk(size)) for i, size in enumerate(records.packer.sizes)]
-        index = Index(
-            flat.nodes,
-            records.leaves,
-            packs,
-            {"writer": f"jaxckpt {__version__}"},
-            meshes=list({id(r): r for _, r in records.meshes.values()}.values()),
-            aliases=flat.aliases,
-        )
+        # Taken: holding the leaves would keep the caller's old arrays (and device memory) alive
+        # until the background is done.
+        flat.leaves = {}
     except BaseException:
         if me == 0 or own_copy:  # the others may be writing into it; a manager removes what is left
             _staging.discard(staging)
         raise
-    return Prepared(
-        os.fspath(path), dest, staging, token, overwrite, index, writer, records.packer, own_copy, records.writers
-    )
+    return p
 
 
-def _check_live_and_copy(leaves: dict[str, Any]) -> None:
-    """Refuse deleted arrays; then start every device-to-host copy before waiting for any."""
-    for key, x in leaves.items():
-        if isinstance(x, jax.Array) and x.is_deleted():
-            raise UnsupportedValueError(
-                f"Cannot save {describe(key)}: its jax.Array was deleted (donated to a jitted function, or "
-                ".delete() was called) before the save. Save the arrays the step returned instead."
-            )
-    for x in leaves.values():
-        if isinstance(x, jax.Array) and not _on_cpu(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x.copy_to_host_async()
+def _take(flat: Flat, me: int, own_copy: bool, budget: int) -> dict[str, Any] | None:
+    """Every leaf taken (see :class:`Taker`), or None if the copies would outgrow ``budget``."""
+    taker = Taker(me, own_copy, eager=False)
+    taken = taker.take_all(flat.leaves, budget)
+    if taken is None:
+        return None
+    if taker.later:
+        if taker.copied + taker.later_bytes() > budget:
+            return None
+        taker.finish()
+    return taken
 
 
 class _Records:
-    """The index records of one save's leaves, made as they are met, and the data they hand over:
-    small leaves to packs, large ones to the writer as arrays of their own."""
+    """The index records of one save's leaves, made from what was taken, and the data they hand
+    over: small leaves to packs, large ones to the writer as arrays of their own."""
 
     def __init__(
         self, writer: _tensorstore.Writer, me: int, budget: int, own_copy: _storage.Location | None = None
@@ -393,23 +260,24 @@ class _Records:
         self._held = 0  # bytes of snapshot copies not written yet
         self._arrays = 0
 
-    def add(self, key: str, x: Any) -> None:
+    def add(self, key: str, item: Any) -> None:
+        """Record one leaf from what :meth:`Taker.take` gave for it."""
+        if isinstance(item, ValueLeaf):
+            self.leaves[key] = item
+            return
+        if isinstance(item, (np.ndarray, memoryview)):  # a jax.Array on process 0's CPU device: a view (take_all)
+            view = np.asarray(item)
+            item = [JAX, None, view, view, 0]
+        container, impl, x, host, copied = item
         fresh = isinstance(x, Deferred)
         if fresh:  # read only now; no one else holds it, so it needs no snapshot copy
-            x = _checked_read(key, x)
-        value = _value_leaf(key, x)
-        if value is not None:
-            self.leaves[key] = value
-            return
-        if isinstance(x, jax.ShapeDtypeStruct):
-            raise _unsupported(key, x, "A ShapeDtypeStruct is a restore template with no data; save a concrete array.")
-        if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-            raise _unsupported(key, x)
-        record, data = _array_leaf(key, x)
-        at = self._store(record, data, fresh)
-        self.leaves[key] = ArrayLeaf(
-            record.dtype, record.shape, record.container, at, record.prng_impl, record.sharding
-        )
+            x = host = _checked_read(key, x)
+            copied = host.nbytes
+        dtype, shape = np.dtype(x.dtype), tuple(x.shape)
+        sharding = describe_sharding(x) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+        at = self._store(dtype, shape, x, host, fresh)
+        self.leaves[key] = ArrayLeaf(dtype, shape, container, at, impl, sharding)
+        self._held += copied
         if self._held > self.budget:  # write out what is held so far, the pack being filled included
             self.packer.hand_over(self.pack_writer, last=True)
             for w in self.writers.values():
@@ -427,51 +295,74 @@ class _Records:
             self.writers[store] = _tensorstore.Writer((self.own_copy / store).spec())
         return self.writers[store]
 
-    def _store(self, record: ArrayLeaf, data: Any, fresh: bool) -> InArray | InPack:
+    def _store(self, dtype: np.dtype, shape: tuple[int, ...], x: Any, host: Any, fresh: bool) -> InArray | InPack:
         """Where the array goes: a pack or an array of its own, its data handed over (this process's part)."""
         me = self.me
-        owners = _owners(data)
+        owned = _owners(x)
         by_process: dict[int, list[tuple[tuple[int, int], ...]]] = {}
-        for region, device in owners.items():
-            by_process.setdefault(_process_of(device), []).append(region)
+        for region, device in owned.items():
+            by_process.setdefault(process_of(device), []).append(region)
         # Every process takes the same decisions here, so array numbers agree across processes.
-        if record.nbytes <= _tensorstore.PACK_LEAF_LIMIT and set(by_process) == {0}:
-            # A jax.Array's host view is immutable; a numpy array is copied, as in _snapshot.
-            small = np.asarray(data) if isinstance(data, jax.Array) else np.array(data, copy=True)
+        if math.prod(shape) * dtype.itemsize <= _tensorstore.PACK_LEAF_LIMIT and set(by_process) == {0}:
             packs = me == 0 or self.own_copy is not None
-            if packs and not (isinstance(data, jax.Array) and _on_cpu(data)):
-                self._held += small.nbytes  # a copy, held until its pack is written
-            return self.packer.add(small) if packs else InPack(0, 0, 0, 0)
+            return self.packer.add(host) if packs else InPack(0, 0, 0, 0)
         regions, layout = None, None
         if set(by_process) != {0}:  # the sharding says where its regions are, or they are listed
-            layout = _layout(data, owners, self.meshes)
+            layout = _layout(x, owned, self.meshes)
             if layout is None:
                 regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
-        shards = [max(b - a for a, b in dims) for dims in zip(*owners)] if record.shape else []
-        chunks = tuple(_tensorstore.chunk_shape(record.shape, shards, record.dtype.itemsize))
-        at = InArray(f"a/{self._arrays}", _tensorstore.stored_dtype(record.dtype), regions, chunks, layout)
+        shards = [max(b - a for a, b in dims) for dims in zip(*owned)] if shape else []
+        chunks = tuple(_tensorstore.chunk_shape(shape, shards, dtype.itemsize))
+        at = InArray(f"a/{self._arrays}", _tensorstore.stored_dtype(dtype), regions, chunks, layout)
         self._arrays += 1
         if self.own_copy is not None and not fresh:
-            for store, held in _held_parts(data, owners).items():
-                self.writer_for(store).add_array(at.path, record.shape, record.dtype, chunks, held)
-                self._held += sum(d.nbytes for _, d in held) if not _on_cpu_data(data) else 0
+            for store, held in own_copy_parts(x, host).items():
+                self.writer_for(store).add_array(at.path, shape, dtype, chunks, held)
             return at
-        if fresh:
-            parts, copied = [(tuple(slice(None) for _ in data.shape), data)], data.nbytes
+        if isinstance(host, np.ndarray):  # taken whole: a numpy array, or one on this process's device
+            parts = [(whole(shape), host)] if me in by_process else []
         else:
-            parts, copied = _snapshot(data, owners) if me in by_process else ([], 0)
-        self.writer.add_array(at.path, record.shape, record.dtype, chunks, parts)
-        self._held += copied
+            parts = host
+        self.writer.add_array(at.path, shape, dtype, chunks, parts)
         return at
+
+    def index(self, flat: Flat) -> Index:
+        packs = [Pack(f"p/{i}", size, _tensorstore.pack_chunk(size)) for i, size in enumerate(self.packer.sizes)]
+        return Index(
+            flat.nodes,
+            self.leaves,
+            packs,
+            {"writer": f"jaxckpt {__version__}"},
+            meshes=list({id(r): r for _, r in self.meshes.values()}.values()),
+            aliases=flat.aliases,
+        )
+
+
+@gc_paused
+def _record(p: Prepared) -> Index:
+    """Record what the snapshot took, in leaf order (as every process does), letting go of each
+    leaf's data once it is handed over."""
+    taken = p.taken
+    assert taken is not None
+    p.taken = None
+    try:
+        for key in list(taken):
+            p.records.add(key, taken.pop(key))
+        return p.records.index(p.flat)
+    finally:
+        p.end_pause()
 
 
 def write_and_publish(p: Prepared) -> str:
-    """The rest of a save: write the data, wait for every process, then the primary writes the index
-    and publishes; returns the path once the checkpoint is visible."""
+    """The rest of a save: record what the snapshot took (:func:`prepare`), write the data, wait for
+    every process, then the primary writes the index and publishes; returns the path once the
+    checkpoint is visible."""
     primary = _multihost.is_primary() or p.own_copy
     try:
-        p.packer.hand_over(p.writers.get(DATA_DIR, p.writer) if p.own_copy else p.writer, last=True)
-        for writer in p.writers.values() or [p.writer]:
+        if p.index is None:
+            p.index = _record(p)
+        p.records.packer.hand_over(p.records.pack_writer, last=True)
+        for writer in p.records.writers.values():
             writer.flush()
         _multihost.barrier(f"{p.token}/written")  # every process's bytes are durable
         if primary:
@@ -481,6 +372,8 @@ def write_and_publish(p: Prepared) -> str:
         if primary:  # the others may still be writing into it; a manager removes what is left
             _staging.discard(p.staging)
         raise
+    finally:
+        p.end_pause()
     return p.path
 
 

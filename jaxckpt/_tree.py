@@ -26,18 +26,17 @@ restores into any other:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import gc
 import os
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, NamedTuple, ParamSpec, TypeGuard, TypeVar
+from typing import Any, Final, Literal, NamedTuple, TypeGuard
 
 import jax
 import numpy as np
 
 from jaxckpt._errors import MismatchError, MissingKeyError, UnsupportedValueError
+from jaxckpt._gc_pause import gc_paused as gc_paused  # where the other modules have always found it
 
 # A path as users give it (jaxckpt's calls take either).
 PathLike = str | os.PathLike[str]
@@ -74,28 +73,6 @@ class _Node(NamedTuple):
     rebuild: Callable[[list[Any]], Any]
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """``fn`` run with Python's cyclic garbage collector paused (the caller's per-leaf work of a save
-    or a restore). Each leaf makes a few objects, and with 100,000 leaves the collections that
-    these trigger scan ever more of them: a save took 16x as long for 10x the leaves, 10x without."""
-
-    @functools.wraps(fn)
-    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if not gc.isenabled():  # paused already (an outer call, or the user's choice)
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return paused
-
-
 # --- edges and keys --------------------------------------------------------------------------
 
 
@@ -114,12 +91,14 @@ def unescape_edge(edge: str) -> str:
 
 def edges_for(keys: Sequence[str | int]) -> list[str]:
     """The edge names of a node's children, given their original keys."""
-    strs = {k for k in keys if isinstance(k, str)}
+    strs = None
     edges = []
     for k in keys:
         if isinstance(k, str):
-            edges.append(escape_edge(k))
+            edges.append(k if k and "~" not in k and "/" not in k else escape_edge(k))
         else:
+            if strs is None:
+                strs = {k for k in keys if isinstance(k, str)}
             text = str(k)
             edges.append("~i" + text if text in strs else text)
     return edges
@@ -130,7 +109,8 @@ def join(prefix: str, edge: str) -> str:
 
 
 def child_keys(prefix: str, info: NodeInfo) -> list[str]:
-    return [join(prefix, e) for e in edges_for(info.keys)]
+    prefix = prefix + "/" if prefix else ""
+    return [prefix + e for e in edges_for(info.keys)]
 
 
 def describe(key: str) -> str:
@@ -214,6 +194,8 @@ def not_utf8(text: str) -> str | None:
 
 def _check_dict_keys(keys: Sequence[Any], prefix: str) -> None:
     for k in keys:
+        if type(k) is str and k.isascii():
+            continue
         if isinstance(k, bool) or not isinstance(k, (str, int)):
             raise UnsupportedValueError(
                 f"The dict at {describe(prefix)} has the key {k!r} of type {type(k).__name__}; "
@@ -347,6 +329,8 @@ class Flat:
     # aliases the key where it was first met: an object graph, each object stored once.
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     _first: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
+    # A dict's keys -> its node's info and edges: the dicts of a model's layers share them, made once.
+    _dicts: dict[tuple[Any, ...], tuple[NodeInfo, list[str]]] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def flatten(root: Any, prefix: str = "") -> Flat:
@@ -357,34 +341,61 @@ def flatten(root: Any, prefix: str = "") -> Flat:
     # flattened first, so this check covers restores as well.)
     _walk(root, prefix, flat, set())
     flat._first.clear()  # ids only mean something while the objects are known alive
+    flat._dicts.clear()
     return flat
+
+
+# Types whose objects are leaves as they are (flatten files them at once); jax's array type is added when met.
+_PLAIN_LEAVES: set[type] = {np.ndarray, type(None), bool, int, float, str}
 
 
 def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
     # A module-level function, not a closure: a nested function that calls itself is a reference
     # cycle (function -> cell -> function) holding ``flat``, so every leaf would outlive the save
     # until the garbage collector ran.
-    x = variable_value(x, key)  # a Variable is transparent: its value saves under its key
-    node = decompose(x, key)
-    if node is None:
+    t = type(x)
+    if t in _PLAIN_LEAVES:
         flat.leaves[key] = x
         return
-    if node.info.kind == CHECKPOINT:
-        first = flat._first.get(id(x))
-        if first is not None:
-            flat.nodes[key] = NodeInfo(CHECKPOINT, node.info.cls, ())
-            flat.aliases[key] = first
+    if t is dict:  # as decompose makes it, without what only rebuild needs (the cost of many nodes)
+        keys = tuple(x)
+        known = flat._dicts.get(keys)
+        if known is None:
+            _check_dict_keys(keys, key)
+            known = (NodeInfo(DICT, "dict", keys), edges_for(keys))
+            if all(type(k) is str for k in keys):  # not numbers: 1 == 1.0 == True, and only int is a key
+                flat._dicts[keys] = known
+        (info, edges), children = known, x.values()
+        prefix = key + "/" if key else ""
+        child_keys_ = [prefix + e for e in edges]
+    else:
+        x = variable_value(x, key)  # a Variable is transparent: its value saves under its key
+        node = decompose(x, key)
+        if node is None:
+            flat.leaves[key] = x
+            if type(x) is t and isinstance(x, jax.Array) and t.__module__.partition(".")[0] in ("jax", "jaxlib"):
+                _PLAIN_LEAVES.add(t)
             return
-        flat._first[id(x)] = key
+        info, children = node.info, node.children
+        child_keys_ = child_keys(key, info)
+        if info.kind == CHECKPOINT:
+            first = flat._first.get(id(x))
+            if first is not None:
+                flat.nodes[key], flat.aliases[key] = NodeInfo(CHECKPOINT, info.cls, ()), first
+                return
+            flat._first[id(x)] = key
     if id(x) in path:
         raise UnsupportedValueError(
             f"Cannot use {describe(key)}: the {type(x).__name__} there contains itself (a reference cycle); "
             "jaxckpt stores trees. Break the cycle."
         )
     path.add(id(x))
-    flat.nodes[key] = node.info
-    for child_key, child in zip(child_keys(key, node.info), node.children):
-        _walk(child, child_key, flat, path)
+    flat.nodes[key] = info
+    for child_key, child in zip(child_keys_, children):
+        if type(child) in _PLAIN_LEAVES:
+            flat.leaves[child_key] = child
+        else:
+            _walk(child, child_key, flat, path)
     path.discard(id(x))
 
 

@@ -173,3 +173,137 @@ def test_host_memory_stays_within_the_budget(tmp_path):
     size, growth = map(int, proc.stdout.split())
     assert growth < size / 2, f"peak RSS grew by {growth / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB state"
     assert len(jaxckpt.list_variables(tmp_path / "c")) == 8
+
+
+@pytest.fixture
+def held_background(monkeypatch):
+    """The background part of a save waits for ``gate``: the caller's state can change meanwhile."""
+    from jaxckpt import _save
+
+    gate = threading.Event()
+    real = _save.write_and_publish
+
+    def gated(prepared):
+        assert gate.wait(60), "the test never released the background save"
+        return real(prepared)
+
+    monkeypatch.setattr(_save, "write_and_publish", gated)
+    yield gate
+    gate.set()
+
+
+def test_the_caller_only_snapshots_records_packs_and_index_are_made_in_the_background(tmp_path, monkeypatch):
+    """Issue 14: the per-leaf work (records, packing with its CRC-32s, the index) is not the caller's."""
+    from jaxckpt import _save
+
+    threads = {"pack": set(), "index": set()}
+    real_add, real_index = _save._Packer.add, _save.Index
+
+    def add(self, data):
+        threads["pack"].add(threading.current_thread())
+        return real_add(self, data)
+
+    def index(*args, **kwargs):
+        threads["index"].add(threading.current_thread())
+        return real_index(*args, **kwargs)
+
+    monkeypatch.setattr(_save._Packer, "add", add)
+    monkeypatch.setattr(_save, "Index", index)
+    one = jax.devices()[0]
+    tree = {f"l{i}": jax.device_put(np.full((3, 4), i, np.float32), one) for i in range(50)}
+    tree["host"] = np.arange(10.0)
+    path = jaxckpt.save(tmp_path / "c", tree, blocking=False)
+    jaxckpt.wait_until_finished()
+    me = threading.current_thread()
+    assert threads["pack"] and me not in threads["pack"]
+    assert threads["index"] and me not in threads["index"]
+    np.testing.assert_array_equal(jaxckpt.restore(path)["l7"], np.full((3, 4), 7, np.float32))
+
+    ckpt = jaxckpt.Checkpoint(state=tree)  # Checkpoint.write and a manager's save alike
+    threads["pack"].clear()
+    ckpt.write(tmp_path / "w", blocking=False)
+    ckpt.wait_until_finished()
+    assert threads["pack"] and me not in threads["pack"]
+    threads["pack"].clear()
+    with jaxckpt.CheckpointManager(ckpt, tmp_path / "m", max_to_keep=1) as manager:
+        manager.save()
+    assert threads["pack"] and me not in threads["pack"]
+
+    threads["pack"].clear()
+    jaxckpt.save(tmp_path / "sync", tree)  # a blocking save does it all in the caller
+    assert threads["pack"] == {me}
+
+
+@pytest.mark.parametrize("kind", ["save", "write", "manager"])
+def test_state_changed_donated_or_deleted_after_the_call_is_saved_as_it_was(tmp_path, held_background, kind):
+    one = jax.devices()[0]
+    small = {f"s{i}": jax.device_put(np.full((4, 8), i, np.float32), one) for i in range(20)}  # packed
+    big = jax.device_put(np.arange(600_000, dtype=np.float32), one)  # an array of its own
+    sharded = sharded_state()["w"]
+    numpy = {"small": np.ones(5), "big": np.arange(300_000, dtype=np.float64)}
+    state = {"small": small, "big": big, "sharded": sharded, "numpy": numpy, "key": jax.random.key(3)}
+    expected = jax.tree.map(np.array, {k: v for k, v in state.items() if k != "key"})  # copies
+    expected_key = np.asarray(jax.random.key_data(state["key"]))
+
+    ckpt = jaxckpt.Checkpoint(state=state)
+    if kind == "save":
+        path = jaxckpt.save(tmp_path / "c", state, blocking=False)
+    elif kind == "write":
+        path = ckpt.write(tmp_path / "c", blocking=False)
+    else:
+        manager = jaxckpt.CheckpointManager(ckpt, tmp_path / "m", max_to_keep=1)
+        path = manager.save()
+    # The caller's thread goes on before anything is recorded: it donates, deletes and changes in place.
+    donate = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 7, t), donate_argnums=0)
+    state["small"] = donate(small)
+    state["big"] = donate(big)
+    for x in [*small.values(), big, sharded]:
+        x.delete()
+    del small, big, sharded
+    numpy["small"][:] = -1
+    numpy["big"][:] = -1
+    state["key"].delete()
+    held_background.set()
+    if kind == "save":
+        jaxckpt.wait_until_finished()
+    elif kind == "write":
+        ckpt.wait_until_finished()
+    else:
+        manager.close()
+    restored = jaxckpt.restore(path)
+    if kind != "save":
+        restored = restored["state"]
+    for name, want in jax.tree_util.tree_leaves_with_path(expected):
+        got = restored
+        for entry in name:
+            got = got[entry.key]
+        np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(name))
+    np.testing.assert_array_equal(jax.random.key_data(restored["key"]), expected_key)
+
+
+def test_the_background_holds_the_callers_data_not_its_arrays(tmp_path, held_background):
+    """After the call, the save holds host data only (views or copies), not the caller's arrays: on
+    an accelerator, those would keep the old state's device memory until the write is done."""
+    import gc
+    import weakref
+
+    one = jax.devices()[0]
+    state = {
+        "sharded": sharded_state()["w"],  # per-shard views
+        "one": jax.device_put(np.arange(600_000, dtype=np.float32), one),  # one view
+        "small": jax.device_put(np.ones(4, np.float32), one),
+        "numpy": np.arange(10.0),  # copied
+        "key": jax.random.key(0),
+    }
+    expected = {k: np.array(v) for k, v in state.items() if k != "key"}
+    refs = {k: weakref.ref(v) for k, v in state.items()}
+    path = jaxckpt.save(tmp_path / "c", state, blocking=False)
+    del state
+    gc.collect()
+    # A view of one CPU buffer may hold its array object (the exporter), which holds that same memory.
+    assert {k for k, r in refs.items() if r() is not None} <= {"one", "small"}
+    held_background.set()
+    jaxckpt.wait_until_finished()
+    restored = jaxckpt.restore(path)
+    for k, v in expected.items():
+        np.testing.assert_array_equal(restored[k], v, err_msg=k)

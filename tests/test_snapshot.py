@@ -1,0 +1,79 @@
+"""The caller's part of a save (jaxckpt._snapshot, and flatten's shortcuts): the same leaves, the
+same refusals, as the long way round."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt._errors import UnsupportedValueError
+
+
+@pytest.mark.parametrize("bad", [1.0, True], ids=["float", "bool"])
+def test_a_dict_key_equal_to_an_earlier_dicts_int_key_is_still_refused(tmp_path, bad):
+    # flatten reuses the checks of dicts with the same keys; 1 == 1.0 == True must not share them.
+    with pytest.raises(UnsupportedValueError, match="key"):
+        jaxckpt.save(tmp_path / "c", {"a": {1: 1}, "b": {bad: 2}})
+    path = jaxckpt.save(tmp_path / "ok", {"a": {1: 1}, "b": {1: 2}, "c": {"x": 3}, "d": {"x": 4}})
+    assert jaxckpt.restore(path) == {"a": {1: 1}, "b": {1: 2}, "c": {"x": 3}, "d": {"x": 4}}
+
+
+def test_errors_are_raised_by_the_async_call_itself(tmp_path):
+    one = jax.devices()[0]
+    deleted = jax.device_put(np.ones(3, np.float32), one)
+    deleted.delete()
+    tree = {f"l{i}": jax.device_put(np.ones(3, np.float32), one) for i in range(10)}
+    with pytest.raises(UnsupportedValueError, match="deleted"):
+        jaxckpt.save(tmp_path / "a", {**tree, "z": deleted}, blocking=False)
+    with pytest.raises(UnsupportedValueError, match="dtype"):
+        jaxckpt.save(tmp_path / "b", {**tree, "z": np.array(["text"])}, blocking=False)
+    with pytest.raises(UnsupportedValueError, match="not supported"):
+        jaxckpt.save(tmp_path / "c", {**tree, "z": object()}, blocking=False)
+    jaxckpt.wait_until_finished()
+    assert not any(tmp_path.iterdir())
+
+
+def test_views_of_every_dtype_are_saved_as_they_were(tmp_path):
+    """A CPU array is taken as a memoryview where jax exports its dtype, else as np.asarray."""
+    one = jax.devices()[0]
+    values = {
+        str(np.dtype(d)): np.arange(12).reshape(3, 4).astype(d)
+        for d in (np.float32, np.float16, np.int8, np.uint32, np.bool_, np.complex64, jax.numpy.bfloat16)
+    }
+    values["scalar"] = np.float32(2.5).reshape(())
+    tree = {k: jax.device_put(v, one) for k, v in values.items()}
+    path = jaxckpt.save(tmp_path / "c", tree, blocking=False)
+    for x in tree.values():
+        x.delete()
+    jaxckpt.wait_until_finished()
+    restored = jaxckpt.restore(path)
+    for k, v in values.items():
+        assert restored[k].dtype == v.dtype, k
+        np.testing.assert_array_equal(restored[k], v, err_msg=k)
+
+
+def test_the_collector_runs_again_once_the_background_has_recorded(tmp_path):
+    """The snapshot's pause of the garbage collector lasts until the background has recorded what it
+    took (so the put-off collection is not the caller's), and no longer; a pause the user made stays."""
+    import gc
+
+    from jaxckpt import _save
+
+    tree = {f"l{i}": np.full(3, i, np.float32) for i in range(100)}
+    assert gc.isenabled()
+    jaxckpt.save(tmp_path / "a", tree, blocking=False)
+    jaxckpt.wait_until_finished()
+    assert gc.isenabled()
+    jaxckpt.save(tmp_path / "b", tree)
+    assert gc.isenabled()
+    prepared = _save.prepare(tmp_path / "c", tree)
+    assert not gc.isenabled()  # until recorded
+    del prepared  # dropped unwritten (a multi-process save whose agreement failed)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        jaxckpt.save(tmp_path / "d", tree, blocking=False)
+        jaxckpt.wait_until_finished()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
