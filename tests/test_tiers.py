@@ -81,7 +81,10 @@ def test_training_continues_bit_for_bit_after_a_restart(tmp_path, restart):
     if restart == "local removed":  # a new machine
         shutil.rmtree(local)
     elif restart == "local damaged":
-        data = max((p for p in (local / "ckpt-10" / "data").rglob("*") if p.is_file() and p.name != "zarr.json"), key=lambda p: p.stat().st_size)
+        data = max(
+            (p for p in (local / "ckpt-10" / "data").rglob("*") if p.is_file() and p.name != "zarr.json"),
+            key=lambda p: p.stat().st_size,
+        )
         raw = bytearray(data.read_bytes())
         raw[0] ^= 0xFF  # the first value's first byte (a shard's file starts with data)
         data.write_bytes(bytes(raw))
