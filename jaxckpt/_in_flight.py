@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 # Bytes of operations in flight at most (one operation more, if it alone is larger).
 WRITE_AHEAD_BYTES = 256 << 20
-READ_AHEAD_BYTES = 128 << 20
+READ_AHEAD_BYTES = 256 << 20
 
 
 class Pending(Protocol):

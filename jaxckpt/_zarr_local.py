@@ -43,6 +43,7 @@ _ALIGN = 64
 _IOV_MAX = 512  # buffers per pwritev / preadv call (Linux allows 1024)
 _ZARR_JSON_LIMIT = 1 << 20
 _THREADS = 4
+_READ_AHEAD = True
 
 
 def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
@@ -430,7 +431,7 @@ class LocalReader:
             spare: np.ndarray | None = None
             wanted = [[r[i] for r, i in zip(ranges, inner)] for inner in np.ndindex(*map(len, ranges))]
             numbers = [int(np.ravel_multi_index(grid, per_shard)) if grid else 0 for grid in wanted]
-            if len(numbers) > 1:  # a cold page cache: ask the disk for all of it at once
+            if len(numbers) > 1 and _READ_AHEAD:  # a cold page cache: ask the disk for all of it at once
                 first, last = min(entries[numbers, 0]), max(entries[numbers, 0] + entries[numbers, 1])
                 os.posix_fadvise(fd, int(first), int(last - first), os.POSIX_FADV_WILLNEED)
             for grid, number in zip(wanted, numbers):
