@@ -144,7 +144,7 @@ def _where(leaf: ArrayLeaf) -> str:
     if isinstance(at, InForeign):
         return "in a checkpoint of another library (read-only; read whole)"
     if isinstance(at, InPack):
-        return f"packed: pack {at.pack}, bytes {at.offset}..{at.offset + at.nbytes}, crc32 {at.crc32:08x}"
+        return f"packed: pack {at.pack}, bytes {at.offset}..{at.offset + at.nbytes}, checksum {at.checksum:08x}"
     return f"zarr3 array {at.path}/ (stored as {at.stored}, each chunk with a crc32c)"
 
 

@@ -163,12 +163,13 @@ class InArray:
 
 @dataclasses.dataclass(frozen=True)
 class InPack:
-    """The leaf is ``nbytes`` little-endian C-order bytes at ``offset`` in pack ``pack``."""
+    """The leaf is ``nbytes`` little-endian C-order bytes at ``offset`` in pack ``pack``, with their
+    ``checksum``: CRC-32C from format version 4 (as every chunk of an array), zlib's CRC-32 before."""
 
     pack: int
     offset: int
     nbytes: int
-    crc32: int
+    checksum: int
 
 
 @dataclasses.dataclass(frozen=True)

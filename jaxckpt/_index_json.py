@@ -87,7 +87,7 @@ def _leaf_to_json(leaf: Leaf, meshes: Mapping[int, int]) -> dict[str, Any]:
                 store: [[list(r) for r in region] for region in regions] for store, regions in at.regions.items()
             }
     elif isinstance(at, InPack):
-        out["at"] = {"pack": at.pack, "offset": at.offset, "nbytes": at.nbytes, "crc32": at.crc32}
+        out["at"] = {"pack": at.pack, "offset": at.offset, "nbytes": at.nbytes, "crc32c": at.checksum}
     else:
         raise TypeError(f"{leaf!r} is in another library's checkpoint; a jaxckpt index cannot refer to it")
     return out
@@ -435,7 +435,7 @@ def _parse_leaf(raw: Any, packs: list[Pack], meshes: list[MeshRecord], version: 
             raise _fail(where, f"bytes {offset}..{offset + size} lie outside pack {pack}")
         if size != nbytes:
             raise _fail(where, f"{size} stored bytes cannot hold shape {tuple(shape)} of {name}")
-        at = InPack(pack, offset, size, _nonneg_int(at_raw, "crc32", where))
+        at = InPack(pack, offset, size, _nonneg_int(at_raw, "crc32c" if version >= 4 else "crc32", where))
     return ArrayLeaf(dtype, tuple(shape), container, at, impl, sharding)
 
 

@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+import crc32c
 import jax
 import numpy as np
 
@@ -255,12 +256,13 @@ class Opened:
             raise CheckpointCorruptedError(
                 f"Cannot read the data of {names} (packed in {info.path!r} in the checkpoint): {e}"
             ) from e
+        checksum = crc32c.crc32c if self.index.version >= 4 else zlib.crc32
         out = {}
         for k in ordered:
             leaf, at = leaves[k]
             start, buffer = next((s, b) for s, b in reversed(buffers) if s <= at.offset)
             raw = buffer[at.offset - start : at.offset - start + at.nbytes]
-            if zlib.crc32(raw) != at.crc32:
+            if checksum(raw) != at.checksum:
                 raise CheckpointCorruptedError(
                     f"The data of {describe(k)} fails its checksum (pack {info.path!r}, bytes {at.offset}.."
                     f"{at.offset + at.nbytes}); the checkpoint is damaged."

@@ -6,10 +6,10 @@ import dataclasses
 import math
 import os
 import weakref
-import zlib
 from collections.abc import Callable
 from typing import Any
 
+import crc32c
 import jax
 import numpy as np
 
@@ -62,18 +62,15 @@ class _Packer:
         offset = -(-self.sizes[-1] // _tensorstore.PACK_ALIGN) * _tensorstore.PACK_ALIGN
         self.packs[-1].append((offset, raw))
         self.sizes[-1] = offset + raw.size
-        return InPack(len(self.packs) - 1, offset, raw.size, zlib.crc32(raw.data))
+        return InPack(len(self.packs) - 1, offset, raw.size, crc32c.crc32c(raw.data))
 
     def hand_over(self, writer: _tensorstore.Writer, *, last: bool) -> None:
         """Give the writer every complete pack (and the last one too if ``last``: the next leaf then
         starts a new pack), then forget their leaves."""
         end = len(self.packs) if last else len(self.packs) - 1
         for i in range(self._built, end):
-            buffer = np.zeros(self.sizes[i], np.uint8)
-            for offset, raw in self.packs[i]:
-                buffer[offset : offset + raw.size] = raw
+            writer.add_pack(f"p/{i}", self.sizes[i], self.packs[i])
             self.packs[i] = []
-            writer.add_pack(f"p/{i}", buffer)
         self._built = max(self._built, end)
 
 

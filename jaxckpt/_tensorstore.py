@@ -197,10 +197,13 @@ def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> li
     return list(_zarr_meta.shard_shape(shape, shard, itemsize, whole=whole))
 
 
-def _sharded_metadata(shape: Sequence[int], stored: str, shard: Sequence[int], checksum: bool) -> dict[str, Any]:
-    """Format version 4's zarr3 metadata, as TensorStore takes it in a spec."""
-    itemsize = _zarr_meta.numpy_dtype(stored).itemsize
-    meta = _zarr_meta.metadata(shape, stored, shard, itemsize, checksum=checksum)
+def _sharded_metadata(shape: Sequence[int], stored: str, shard: Sequence[int]) -> dict[str, Any]:
+    """Format version 4's zarr3 metadata of an array, as TensorStore takes it in a spec."""
+    return _spec_metadata(_zarr_meta.metadata(shape, stored, shard, _zarr_meta.numpy_dtype(stored).itemsize))
+
+
+def _spec_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    """A ``zarr.json``'s content as TensorStore takes it in a spec."""
     return {k: v for k, v in meta.items() if k not in ("zarr_format", "node_type")}
 
 
@@ -252,16 +255,19 @@ class Writer:
         if self._local is not None:
             self._local.add_array(path, shape, dtype if stored == dtype.name else np.dtype(stored), chunks, parts)
             return
-        self._planned.append((path, _sharded_metadata(shape, stored, chunks, True), list(parts)))
+        self._planned.append((path, _sharded_metadata(shape, stored, chunks), list(parts)))
 
-    def add_pack(self, path: str, buffer: np.ndarray) -> None:
-        chunk = pack_chunk(buffer.size)
-        if self._local is not None:
-            self._local.add_pack(path, buffer, chunk)
+    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Record a pack of ``nbytes`` bytes holding ``pieces`` (offset, uint8 data); zeros between them."""
+        chunk = pack_chunk(nbytes)
+        if self._local is not None:  # written from the leaves' own buffers
+            self._local.add_pack(path, nbytes, pieces, chunk)
             return
-        shard = -(-buffer.size // chunk) * chunk if buffer.size else chunk
-        metadata = _sharded_metadata([buffer.size], "uint8", [shard], False)
-        self._planned.append((path, metadata, [((slice(None),), buffer)] if buffer.size else []))
+        buffer = np.zeros(nbytes, np.uint8)
+        for offset, data in pieces:
+            buffer[offset : offset + data.size] = data
+        metadata = _spec_metadata(_zarr_meta.pack_metadata(nbytes, chunk))
+        self._planned.append((path, metadata, [((slice(None),), buffer)] if nbytes else []))
 
     def flush(self) -> None:
         """Create and write everything recorded so far, durably; then forget it."""
@@ -364,7 +370,7 @@ class Reader:
     def _metadata(self, shape: Sequence[int], dtype: str, chunks: Sequence[int] | None, checksum: bool) -> Any:
         if self._sharded:
             assert chunks is not None  # version 4 indexes record every shard shape
-            return _sharded_metadata(shape, dtype, chunks, checksum)
+            return _sharded_metadata(shape, dtype, chunks)
         return _metadata(shape, dtype, chunks, checksum)
 
     def open_arrays(
@@ -407,7 +413,7 @@ class Reader:
             return list(self._local.read_pack_spans(path, nbytes, chunk, spans))
         if self._sharded:
             assert chunk is not None
-            metadata = _sharded_metadata([nbytes], "uint8", [-(-nbytes // chunk) * chunk if nbytes else chunk], False)
+            metadata = _spec_metadata(_zarr_meta.pack_metadata(nbytes, chunk))
         else:
             metadata = _metadata([nbytes], "uint8", None if chunk is None else [chunk], False)
         try:

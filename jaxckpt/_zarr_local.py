@@ -34,7 +34,15 @@ import numpy as np
 
 from jaxckpt._errors import CheckpointCorruptedError, JaxckptError, StorageError
 from jaxckpt._tree import describe
-from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, metadata_problem, numpy_dtype
+from jaxckpt._zarr_meta import (
+    chunk_key,
+    inner_chunk_shape,
+    metadata,
+    metadata_problem,
+    numpy_dtype,
+    pack_metadata,
+    pack_shard,
+)
 
 _CRC = 4  # bytes of a CRC-32C
 _ENTRY = 16  # bytes of a shard index entry: offset and size, little-endian uint64
@@ -121,7 +129,6 @@ class _Shard(NamedTuple):
     file: str  # its path
     data: np.ndarray  # C-contiguous, the shard's shape (padded where the array ends inside it)
     chunk: tuple[int, ...]  # inner chunk shape
-    checksum: bool  # each inner chunk followed by its CRC-32C
 
 
 def _libc_sync_file_range() -> Callable[[int], object] | None:
@@ -184,9 +191,9 @@ def _write_shard(shard: _Shard) -> None:
         view = _bytes_of(
             np.ascontiguousarray(_at(data, tuple(slice(p * c, (p + 1) * c) for p, c in zip(position, rows))))
         )
-        pieces += [view, _crc(view)] if shard.checksum else [view]
-        entries.append((offset, len(view) + _CRC * shard.checksum))
-        offset += len(view) + _CRC * shard.checksum
+        pieces += [view, _crc(view)]
+        entries.append((offset, len(view) + _CRC))
+        offset += len(view) + _CRC
     index = np.array(entries, "<u8").reshape(-1, 2).tobytes()
     _write_file(shard.file, [*pieces, index, _crc(memoryview(index))])
 
@@ -206,7 +213,7 @@ class LocalWriter:
 
     def __init__(self, folder: str) -> None:
         self._folder = folder
-        self._files: list[tuple[str, bytes]] = []
+        self._files: list[tuple[str, list[memoryview | bytes]]] = []  # written as they are: path, pieces
         self._shards: list[_Shard] = []
 
     def add_array(
@@ -216,32 +223,47 @@ class LocalWriter:
         stored: np.dtype,
         shard: Sequence[int],
         parts: Sequence[tuple[tuple[slice, ...], np.ndarray]],
-        *,
-        checksum: bool = True,
     ) -> None:
         """Record the array at ``path`` (shards of shape ``shard``) and the parts to write: each part is
         whole shards, at a region whose start is a multiple of the shard shape."""
         folder = os.path.join(self._folder, path)
-        meta = metadata(shape, stored.name, shard, stored.itemsize, checksum=checksum)
-        self._files.append((os.path.join(folder, "zarr.json"), json.dumps(meta).encode()))
+        meta = metadata(shape, stored.name, shard, stored.itemsize)
+        self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
         chunk = inner_chunk_shape(shard, stored.itemsize)
         for index, data in parts:
             box = [s.indices(n)[:2] for s, n in zip(index, shape)]
             for position, sub in _split(box, shard, shape):
                 piece = _at(data, tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(sub, box)))
                 file = os.path.join(folder, chunk_key(position))
-                self._shards.append(_Shard(file, _padded(piece.view(stored), sub, shard), chunk, checksum))
+                self._shards.append(_Shard(file, _padded(piece.view(stored), sub, shard), chunk))
 
-    def add_pack(self, path: str, buffer: np.ndarray, chunk: int) -> None:
-        shard = -(-buffer.size // chunk) * chunk if buffer.size else chunk
-        self.add_array(path, [buffer.size], np.dtype("uint8"), [shard], [((slice(None),), buffer)], checksum=False)
+    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]], chunk: int) -> None:
+        """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, uint8 data), in order and apart,
+        written straight from their buffers; the bytes between them are zeros."""
+        shard = pack_shard(nbytes, chunk)
+        folder = os.path.join(self._folder, path)
+        meta = pack_metadata(nbytes, chunk)
+        self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
+        if not nbytes:
+            return
+        out: list[memoryview | bytes] = []
+        at = 0
+        for offset, data in pieces:
+            if offset > at:
+                out.append(bytes(offset - at))
+            out.append(_bytes_of(data))
+            at = offset + data.size
+        if shard > at:
+            out.append(bytes(shard - at))
+        index = np.array([(i * chunk, chunk) for i in range(shard // chunk)], "<u8").tobytes()
+        self._files.append((os.path.join(folder, chunk_key([0])), [*out, index, _crc(memoryview(index))]))
 
     def flush(self) -> None:
         """Write everything recorded so far, durably; then forget it."""
         shards, self._shards = self._shards, []
         files, self._files = self._files, []
         jobs: list[Callable[[], None]] = [lambda s=s: _write_shard(s) for s in shards]  # type: ignore[misc]
-        jobs += [lambda f=f, b=b: _write_file(f, [b]) for f, b in files]  # type: ignore[misc]
+        jobs += [lambda f=f, b=b: _write_file(f, b) for f, b in files]  # type: ignore[misc]
         futures = [_pool().submit(job) for job in jobs]
         errors = []
         for future in futures:  # every write settles before the caller may remove the folder
@@ -260,17 +282,6 @@ class LocalWriter:
         if errors:
             first = errors[0]
             raise StorageError(f"Cannot write the checkpoint's data: {first}", first.errno or errno.EIO) from first
-        _sync_folders(sorted({os.path.dirname(f) for f, _ in files} | {os.path.dirname(s.file) for s in shards}))
-
-
-def _sync_folders(folders: Sequence[str]) -> None:
-    """fsync each folder, so that the names of the files written in it are durable too."""
-    for folder in folders:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _split(
@@ -279,7 +290,7 @@ def _split(
     """The shards that ``box`` covers: (grid position, the part of the box in it)."""
     ranges = [range(lo // s, -(-hi // s)) for (lo, hi), s in zip(box, shard)]
     out = []
-    for position in np.ndindex(*[len(r) for r in ranges]) if ranges else [()]:
+    for position in np.ndindex(*map(len, ranges)):
         grid = tuple(r[p] for r, p in zip(ranges, position))
         sub = [(max(lo, g * s), min(hi, (g + 1) * s, max(n, 1))) for (lo, hi), g, s, n in zip(box, grid, shard, shape)]
         if all(hi > lo for lo, hi in sub):
@@ -371,15 +382,15 @@ class LocalReader:
     def __init__(self, folder: str) -> None:
         self._folder = folder
 
-    def open_array(
-        self, key: str, path: str, stored: str, shape: Sequence[int], shard: Sequence[int], *, checksum: bool = True
-    ) -> LocalArray:
+    def open_array(self, key: str, path: str, stored: str, shape: Sequence[int], shard: Sequence[int]) -> LocalArray:
         """The array at ``path``, its ``zarr.json`` checked against what the index implies."""
         dtype = numpy_dtype(stored)
-        array = LocalArray(
-            key, path, os.path.join(self._folder, path), tuple(shape), dtype, tuple(shard),
-            inner_chunk_shape(shard, dtype.itemsize), checksum,
-        )  # fmt: skip
+        chunk = inner_chunk_shape(shard, dtype.itemsize)
+        folder = os.path.join(self._folder, path)
+        expected = metadata(shape, stored, shard, dtype.itemsize)
+        return self._opened(LocalArray(key, path, folder, tuple(shape), dtype, tuple(shard), chunk, True), expected)
+
+    def _opened(self, array: LocalArray, expected: dict[str, Any]) -> LocalArray:
         file = os.path.join(array.folder, "zarr.json")
         try:
             with open(file, "rb") as f:
@@ -390,7 +401,7 @@ class LocalReader:
             found = json.loads(raw) if len(raw) <= _ZARR_JSON_LIMIT else None
         except (ValueError, RecursionError):
             found = None
-        problem = metadata_problem(found, metadata(shape, stored, shard, dtype.itemsize, checksum=checksum))
+        problem = metadata_problem(found, expected)
         if problem:
             raise _damaged(array, f"its zarr.json does not match the index: {problem}")
         return array
@@ -456,6 +467,10 @@ class LocalReader:
 
     def read_pack_spans(self, path: str, nbytes: int, chunk: int, spans: Sequence[tuple[int, int]]) -> list[LocalRead]:
         """Start reading byte spans (start, stop) of the pack at ``path``."""
-        shard = -(-nbytes // chunk) * chunk if nbytes else chunk
-        array = self.open_array("", path, "uint8", [nbytes], [shard], checksum=False)
+        shard = pack_shard(nbytes, chunk)
+        folder = os.path.join(self._folder, path)
+        uint8 = np.dtype("uint8")
+        array = self._opened(
+            LocalArray("", path, folder, (nbytes,), uint8, (shard,), (chunk,), False), pack_metadata(nbytes, chunk)
+        )
         return [self.read_region(array, (slice(a, b),)) for a, b in spans]

@@ -92,12 +92,29 @@ def _fill_value(stored: str) -> Any:
     return 0 if stored.startswith(("int", "uint")) else 0.0
 
 
+def pack_shard(nbytes: int, chunk: int) -> int:
+    """The one shard of a pack of ``nbytes`` bytes in inner chunks of ``chunk`` bytes."""
+    return -(-nbytes // chunk) * chunk if nbytes else chunk
+
+
+def pack_metadata(nbytes: int, chunk: int) -> dict[str, Any]:
+    """The zarr3 metadata of a pack: one shard, inner chunks of the index's ``chunk`` bytes, which
+    carry no checksum: each leaf in it has its own CRC-32C in the index, so that damage costs only
+    the leaves it hits."""
+    return metadata([nbytes], "uint8", [pack_shard(nbytes, chunk)], 1, inner=[chunk], checksum=False)
+
+
 def metadata(
-    shape: Sequence[int], stored: str, shard: Sequence[int], itemsize: int, *, checksum: bool = True
+    shape: Sequence[int],
+    stored: str,
+    shard: Sequence[int],
+    itemsize: int,
+    *,
+    inner: Sequence[int] | None = None,
+    checksum: bool = True,
 ) -> dict[str, Any]:
-    """The zarr3 metadata (``zarr.json``) of an array in format version 4. A pack's inner chunks
-    carry no checksum (``checksum=False``): each leaf in it has its own CRC-32 in the index, so that
-    damage costs only the leaves it hits."""
+    """The zarr3 metadata (``zarr.json``) of an array in format version 4 (``inner``: the inner chunk
+    shape, if not :func:`inner_chunk_shape`'s)."""
     return {
         "zarr_format": 3,
         "node_type": "array",
@@ -110,7 +127,7 @@ def metadata(
             {
                 "name": "sharding_indexed",
                 "configuration": {
-                    "chunk_shape": list(inner_chunk_shape(shard, itemsize)),
+                    "chunk_shape": list(inner_chunk_shape(shard, itemsize) if inner is None else inner),
                     "codecs": _CODECS if checksum else [_BYTES],
                     "index_codecs": _CODECS,
                 },

@@ -323,9 +323,9 @@ def test_packed_leaf_copies_are_bounded_by_the_host_memory_budget(tmp_path, monk
     real_add_pack, real_flush = _tensorstore.Writer.add_pack, _tensorstore.Writer.flush
     in_prepare = {"on": False}
 
-    def add_pack(self, path, buffer):
-        packs.append(buffer.size)
-        return real_add_pack(self, path, buffer)
+    def add_pack(self, path, nbytes, pieces):
+        packs.append(nbytes)
+        return real_add_pack(self, path, nbytes, pieces)
 
     def flush(self):
         if in_prepare["on"]:

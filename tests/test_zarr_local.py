@@ -499,3 +499,24 @@ def test_one_byte_arrays_written_by_tensorstore_read_locally(tmp_path, small_pac
     remote = jaxckpt.save(f"memory://zarr-local-one-byte/{tmp_path.name}", {"x": value})
     _copy_down(remote, tmp_path / "down")
     _same_bits(jaxckpt.restore(tmp_path / "down")["x"], value)
+
+
+def test_a_local_save_writes_packs_and_arrays_from_the_leaves_own_buffers(tmp_path):
+    """No copy of the packed bytes (nor of an array's shard) is made: CPU jax arrays are written
+    straight from their buffers. numpy reports its allocations to tracemalloc."""
+    import tracemalloc
+
+    import jax.numpy as jnp
+
+    tree = {f"w{i}": jnp.full((128, 1024), i, jnp.float32) for i in range(40)}  # 512 KiB each: packed
+    tree["big"] = jnp.ones((2048, 1024), jnp.float32)  # 8 MiB: its own array
+    jaxckpt.save(tmp_path / "warm", tree)
+    tracemalloc.start()
+    try:
+        jaxckpt.save(tmp_path / "c", tree)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"a save of 28 MiB allocated {peak / 2**20:.1f} MiB"
+    restored = jaxckpt.restore(tmp_path / "c")
+    assert float(restored["w39"][5, 5]) == 39 and float(restored["big"].sum()) == 2048 * 1024
