@@ -191,17 +191,28 @@ class Taker:
         by_id, local_cpu, dtypes, primary = self._by_id, self._local_cpu, self._dtypes, self.me == 0
         for key, x in leaves.items():
             if isinstance(x, jax.Array) and primary:
-                sharding = x.sharding
-                known = by_id.get(id(sharding))
                 view = dtypes.get(x.dtype)
-                if view is not None and (known[1] if known is not None else local_cpu.get(sharding)):  # as _take_jax
+                if view is memoryview:  # jax exports only an array of one shard in host memory: no check needed
                     try:
-                        taken[key] = view(x)
+                        taken[key] = memoryview(x)
                         continue
-                    except (RuntimeError, BufferError):
+                    except BufferError:  # several shards, or on an accelerator: taken below
+                        pass
+                    except RuntimeError:
                         if x.is_deleted():
                             raise deleted(key) from None
                         raise
+                elif view is not None:
+                    sharding = x.sharding
+                    known = by_id.get(id(sharding))
+                    if known[1] if known is not None else local_cpu.get(sharding):  # as _take_jax
+                        try:
+                            taken[key] = view(x)
+                            continue
+                        except RuntimeError:
+                            if x.is_deleted():
+                                raise deleted(key) from None
+                            raise
             taken[key] = self.take(key, x)
             if self.copied > budget:
                 return None
