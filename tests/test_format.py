@@ -42,10 +42,11 @@ def test_every_golden_version_is_still_readable():
         assert dict(jaxckpt.list_variables(folder))["big"] == (600, 600)
 
 
-def test_the_golden_save_of_four_processes_is_still_readable():
-    """tests/golden/pod-v3: what 4 processes of 2 devices each wrote, sharded over a (2, 4) mesh whose
-    positions hold devices 3, 1, 0, 2, 7, 5, 4, 6 (device d of process d // 2)."""
-    folder = GOLDEN / "pod-v3"
+@pytest.mark.parametrize("version", [3, 4])
+def test_the_golden_save_of_four_processes_is_still_readable(version):
+    """tests/golden/pod-v3 and pod-v4: what 4 processes of 2 devices each wrote, sharded over a (2, 4)
+    mesh whose positions hold devices 3, 1, 0, 2, 7, 5, 4, 6 (device d of process d // 2)."""
+    folder = GOLDEN / f"pod-v{version}"
     _assert_same(jaxckpt.restore(folder), pod_tree())
     opened = _reader.Opened(folder)
     # P("x", "y"): shard (i, j) written by the process of mesh position (i, j).

@@ -1,9 +1,10 @@
 """Writes tests/golden/v<FORMAT_VERSION>: a small checkpoint that every later jaxckpt must still read.
 
 Run once per format version (`.venv/bin/python tests/golden/make_golden.py`) and commit the folder;
-never regenerate an existing version. `make_golden.py pod` writes tests/golden/pod-v3: what a save by
-4 processes of 2 devices each writes in format version 3 (sharding layouts over a device table, and
-one array with its regions listed), made without processes from jaxckpt's own records.
+never regenerate an existing version. `make_golden.py pod` writes tests/golden/pod-v<FORMAT_VERSION>
+(pod-v3, pod-v4): what a save by 4 processes of 2 devices each writes (sharding layouts over a
+device table, and one array with its regions listed), made without processes from jaxckpt's own
+records.
 """
 
 import sys
@@ -105,7 +106,7 @@ if __name__ == "__main__":
         a.write(out)
         sys.exit(print("wrote", out))
     if sys.argv[1:] == ["pod"]:
-        out = Path(__file__).parent / "pod-v3"
+        out = Path(__file__).parent / f"pod-v{jaxckpt.FORMAT_VERSION}"
         if out.exists():
             sys.exit(f"{out} exists; golden checkpoints are never regenerated.")
         out.mkdir()
