@@ -9,7 +9,7 @@ import shutil
 import tracemalloc
 from pathlib import Path
 
-import google_crc32c
+import crc32c
 import numpy as np
 import pytest
 
@@ -286,7 +286,7 @@ def entry_proto(
 def block(entries: list[tuple[bytes, bytes]], kind: int = 0) -> bytes:
     body = b"".join(varint(0) + varint(len(k)) + varint(len(v)) + k + v for k, v in entries)
     body += (0).to_bytes(4, "little") + (1).to_bytes(4, "little")  # one restart point, at 0
-    crc = tf_index.mask_crc(google_crc32c.value(body + bytes([kind])))
+    crc = tf_index.mask_crc(crc32c.crc32c(body + bytes([kind])))
     return body + bytes([kind]) + crc.to_bytes(4, "little")
 
 
@@ -308,7 +308,7 @@ def header(num_shards: int = 1, endianness: int = 0) -> tuple[bytes, bytes]:
 
 def test_the_crafted_writer_round_trips(tmp_path: Path) -> None:
     value = np.arange(6, dtype=np.float32).reshape(2, 3)
-    crc = tf_index.mask_crc(google_crc32c.value(value.tobytes()))
+    crc = tf_index.mask_crc(crc32c.crc32c(value.tobytes()))
     write_index(tmp_path / "c.index", [header(), (b"v", entry_proto(1, (2, 3), 24, crc))])
     (tmp_path / "c.data-00000-of-00001").write_bytes(value.tobytes())
     checkpoint = ForeignCheckpoint(tf_format.open(str(tmp_path / "c")))
@@ -366,7 +366,7 @@ def partitioned(tmp_path: Path, pieces: list[tuple[tuple[int, int], ...]], liste
     data, entries = b"", [header()]
     for start, length in pieces:
         piece = full[start : start + length].tobytes()
-        crc = tf_index.mask_crc(google_crc32c.value(piece))
+        crc = tf_index.mask_crc(crc32c.crc32c(piece))
         key = tf_index.encode_tensor_name_slice("p", ((start, length), (0, -1)))
         entries.append((key, entry_proto(1, (length, 3), len(piece), crc, offset=len(data))))
         data += piece

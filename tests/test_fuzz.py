@@ -172,7 +172,7 @@ _LAZY_IMPORTS = {
     "_hypothesis",
     "encodings",
     # the foreign-format readers' dependencies, imported when a folder is checked for their formats
-    "google_crc32c",
+    "crc32c",
     "msgpack",
 }
 

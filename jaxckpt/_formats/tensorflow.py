@@ -25,7 +25,7 @@ import os
 import re
 import sys
 
-import google_crc32c
+import crc32c as crc32c_package
 import ml_dtypes
 import numpy as np
 
@@ -379,11 +379,11 @@ class Reader:
             )
         # TensorFlow checksums each length as the low 4 bytes of the number (what its writer's
         # Extend over `sizeof(uint32)` of a little-endian uint64 covers), not as the varint.
-        crc = google_crc32c.value((length & 0xFFFFFFFF).to_bytes(4, "little"))
+        crc = crc32c_package.crc32c((length & 0xFFFFFFFF).to_bytes(4, "little"))
         if mask_crc(crc) != int.from_bytes(data[pos : pos + 4], "little"):
             raise CheckpointCorruptedError(f"{self.path!r}: {key!r}: the checksum of its length fails in {shard!r}")
-        crc = google_crc32c.extend(crc, data[pos : pos + 4])
-        crc = google_crc32c.extend(crc, data[pos + 4 :])
+        crc = crc32c_package.crc32c(data[pos : pos + 4], crc)
+        crc = crc32c_package.crc32c(data[pos + 4 :], crc)
         if mask_crc(crc) != entry.crc32c:
             raise CheckpointCorruptedError(f"{self.path!r}: {key!r} fails its checksum in {shard!r}")
         return data[pos + 4 :]
