@@ -22,6 +22,7 @@ import json
 import math
 import os
 import queue
+import stat
 import struct
 import sys
 import threading
@@ -347,6 +348,24 @@ def _refused(array: LocalArray, error: OSError) -> JaxckptError:
     )
 
 
+def _open_regular(array: LocalArray, file: str) -> int:
+    """A file descriptor of ``file``, which must be a regular file (a symlink to one is followed): a
+    FIFO or a device put in a checkpoint must neither block the open nor be read."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise _refused(array, e) from e
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as e:
+        os.close(fd)
+        raise _refused(array, e) from e
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _damaged(array, f"{file} is not a regular file")
+    return fd
+
+
 def _shard_index(array: LocalArray, fd: int, file: str, chunks: int, stored_bytes: int) -> np.ndarray:
     """The (offset, size) of each inner chunk of a shard file, checked against the file."""
     size = os.fstat(fd).st_size
@@ -392,11 +411,13 @@ class LocalReader:
 
     def _opened(self, array: LocalArray, expected: dict[str, Any]) -> LocalArray:
         file = os.path.join(array.folder, "zarr.json")
+        fd = _open_regular(array, file)
         try:
-            with open(file, "rb") as f:
-                raw = f.read(_ZARR_JSON_LIMIT + 1)
+            raw = os.read(fd, _ZARR_JSON_LIMIT + 1)
         except OSError as e:
             raise _refused(array, e) from e
+        finally:
+            os.close(fd)
         try:
             found = json.loads(raw) if len(raw) <= _ZARR_JSON_LIMIT else None
         except (ValueError, RecursionError):
@@ -431,10 +452,7 @@ class LocalReader:
         per_shard = [s // c for s, c in zip(array.shard, chunk)]
         chunk_bytes = math.prod(chunk) * itemsize
         origin = [p * s for p, s in zip(position, array.shard)]
-        try:
-            fd = os.open(file, os.O_RDONLY)
-        except OSError as e:
-            raise _refused(array, e) from e
+        fd = _open_regular(array, file)
         try:
             entries = _shard_index(array, fd, file, math.prod(per_shard), chunk_bytes + _CRC * array.checksum)
             local = [(lo - o, hi - o) for (lo, hi), o in zip(sub, origin)]  # within the shard

@@ -11,6 +11,7 @@ reads bit for bit, and what TensorStore writes (``s3://``) jaxckpt's own reader 
 from __future__ import annotations
 
 import json
+import os
 import math
 from pathlib import Path
 
@@ -520,3 +521,24 @@ def test_a_local_save_writes_packs_and_arrays_from_the_leaves_own_buffers(tmp_pa
     assert peak < 4 << 20, f"a save of 28 MiB allocated {peak / 2**20:.1f} MiB"
     restored = jaxckpt.restore(tmp_path / "c")
     assert float(restored["w39"][5, 5]) == 39 and float(restored["big"].sum()) == 2048 * 1024
+
+
+@pytest.mark.parametrize("what", ["shard", "zarr.json"])
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero", "folder"])
+def test_a_shard_or_zarr_json_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, what, kind):
+    """A crafted checkpoint may put a FIFO (whose open would wait for a writer forever), a device or a
+    folder where a file belongs: refused as damage, naming the value."""
+    path = Path(jaxckpt.save(tmp_path / "c", {"w": np.ones((600, 600), np.float32), "small": np.arange(3)}))
+    folder = _folder(path, "w")
+    target = _shards(folder)[0] if what == "shard" else folder / "zarr.json"
+    target.unlink()
+    (path / "data" / "spare").write_bytes(bytes(2 << 20))  # the store-size check before reading passes
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "folder":
+        target.mkdir()
+    else:
+        target.symlink_to("/dev/zero")
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="'w'.*not a regular file"):
+        jaxckpt.restore(path)
+    np.testing.assert_array_equal(jaxckpt.load_variable(path, "small"), np.arange(3))
