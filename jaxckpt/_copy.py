@@ -48,7 +48,8 @@ def copy_checkpoint(
     on every process): each copies the data store it wrote (``data.p<n>``; process 0 ``data`` and the
     index), so that ``dest`` becomes the checkpoint that a save by all of them there would have made.
     ``on_file(nbytes)`` is called after each file is copied (progress, and tests that interrupt).
-    Memory holds one file at a time: the largest is a data file of the OCDBT database.
+    Memory holds one file at a time: the largest is the largest shard of an array (format 4), or a
+    data file of the OCDBT database (versions 1 to 3).
     """
     me, many = _multihost.process_index(), _multihost.process_count() > 1
     mine = data_store(me)
