@@ -33,9 +33,8 @@ def verify(path: str, progress: Progress | None = None) -> Verified:
 
     The index's own checksum is checked when it is opened; packed leaves carry a CRC-32C each (a
     CRC-32 up to format version 3), and every chunk of a large array a CRC-32C, checked as it is read;
-    a missing chunk and
-    a ``zarr.json`` that differs from what the index implies are damage too. What the storage refuses
-    to read (permissions, a network error) is collected apart, as ``unreadable``.
+    a missing chunk and a ``zarr.json`` that differs from what the index implies are damage too. What
+    the storage refuses to read (permissions, a network error) is collected apart, as ``unreadable``.
     """
     result = Verified(path)
     try:
