@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _tensorstore
+from jaxckpt import _tensorstore, _zarr_local
 from jaxckpt._errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -299,8 +299,4 @@ def write_durable(path: Path, data: bytes) -> None:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _zarr_local.fsync_path(path)

@@ -147,7 +147,8 @@ def _libc_sync_file_range() -> Callable[[int], object] | None:
 _START_WRITEBACK = _libc_sync_file_range() if sys.platform.startswith("linux") else None
 
 
-def _fsync_file(path: str) -> None:
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or a folder by its path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -157,7 +158,7 @@ def _fsync_file(path: str) -> None:
 
 def _write_file(path: str, pieces: Iterable[memoryview | bytes]) -> None:
     """Write ``pieces`` end to end into a new file at ``path``, and start writing it to disk: the
-    disk works while the next files are checksummed and copied, and :func:`_fsync_file` later
+    disk works while the next files are checksummed and copied, and :func:`fsync_path` later
     finds little left to wait for (an fsync right away would idle the disk between files)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -274,7 +275,7 @@ class LocalWriter:
                 errors.append(e)
         if not errors:  # then durably, all at once
             written = [s.file for s in shards] + [f for f, _ in files]
-            futures = [_pool().submit(_fsync_file, f) for f in written]
+            futures = [_pool().submit(fsync_path, f) for f in written]
             for future in futures:
                 try:
                     future.result()
