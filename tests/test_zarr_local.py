@@ -11,8 +11,8 @@ reads bit for bit, and what TensorStore writes (``s3://``) jaxckpt's own reader 
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -539,6 +539,6 @@ def test_a_shard_or_zarr_json_that_is_not_a_regular_file_is_refused_without_bloc
         target.mkdir()
     else:
         target.symlink_to("/dev/zero")
-    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="'w'.*not a regular file"):
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*not a regular file"):
         jaxckpt.restore(path)
     np.testing.assert_array_equal(jaxckpt.load_variable(path, "small"), np.arange(3))
