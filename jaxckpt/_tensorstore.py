@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _zarr_local, _zarr_meta
+from jaxckpt import _zarr_local, _zarr_meta, _zarr_write
 from jaxckpt._errors import CheckpointCorruptedError, JaxckptError, StorageError
 from jaxckpt._in_flight import WRITE_AHEAD_BYTES, InFlight, Pending
 from jaxckpt._tree import describe
@@ -233,7 +233,7 @@ class Writer:
     def __init__(self, base: dict[str, Any]) -> None:
         self._base = base
         folder = _local_folder(base)
-        self._local = _zarr_local.LocalWriter(folder) if folder is not None else None
+        self._local = _zarr_write.LocalWriter(folder) if folder is not None else None
         self._context = _context()
         self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]]]] = []
 

@@ -1,4 +1,5 @@
-"""Array data on a local disk, written and read by jaxckpt itself as zarr3 sharded arrays.
+"""Array data on a local disk, read by jaxckpt itself as zarr3 sharded arrays (written by
+:mod:`jaxckpt._zarr_write`), and what reading and writing share: the I/O threads and the checksums.
 
 Format version 4 keeps each array in its own zarr3 array (``a/<n>/``) whose outer chunks are the
 array's shards (one file per shard, ``c/<i>/<j>...``). The ``sharding_indexed`` codec cuts a shard
@@ -16,7 +17,6 @@ bytes are used. An inner chunk that is absent is damage, never a fill value.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import math
@@ -24,9 +24,8 @@ import os
 import queue
 import stat
 import struct
-import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -45,11 +44,10 @@ from jaxckpt._zarr_meta import (
     pack_shard,
 )
 
-_CRC = 4  # bytes of a CRC-32C
+CRC = 4  # bytes of a CRC-32C
 _ENTRY = 16  # bytes of a shard index entry: offset and size, little-endian uint64
 _EMPTY = (1 << 64) - 1  # the index entry of an absent chunk
 _ALIGN = 64
-_IOV_MAX = 512  # buffers per pwritev / preadv call (Linux allows 1024)
 _ZARR_JSON_LIMIT = 1 << 20
 _THREADS = 4
 _READ_AHEAD = True
@@ -101,7 +99,7 @@ def _forget_pool() -> None:  # a forked child has none of the parent's threads
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _pool() -> _Pool:
+def io_pool() -> _Pool:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
@@ -109,16 +107,16 @@ def _pool() -> _Pool:
         return _POOL
 
 
-def _crc(view: memoryview) -> bytes:
+def crc_bytes(view: memoryview) -> bytes:
     return struct.pack("<I", crc32c.crc32c(view))
 
 
-def _at(array: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
+def view_at(array: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
     """``array[index]`` as a view, rank 0 included (there ``array[()]`` would be a scalar copy)."""
     return array[index] if index else array[...]
 
 
-def _bytes_of(array: np.ndarray) -> memoryview:
+def bytes_of(array: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, in place (as uint8: ml_dtypes' types have no buffer format)."""
     return array.reshape(-1).view(np.uint8).data if array.size else memoryview(b"")
 
@@ -126,167 +124,7 @@ def _bytes_of(array: np.ndarray) -> memoryview:
 # --- writing ------------------------------------------------------------------------------------
 
 
-class _Shard(NamedTuple):
-    file: str  # its path
-    data: np.ndarray  # C-contiguous, the shard's shape (padded where the array ends inside it)
-    chunk: tuple[int, ...]  # inner chunk shape
-
-
-def _libc_sync_file_range() -> Callable[[int], object] | None:
-    """Linux's ``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)``: start writing a file's dirty pages
-    to disk without waiting (None elsewhere)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return lambda fd: call(fd, 0, 0, 2)
-
-
-_START_WRITEBACK = _libc_sync_file_range() if sys.platform.startswith("linux") else None
-
-
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    """fsync a file or a folder by its path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: str, pieces: Iterable[memoryview | bytes]) -> None:
-    """Write ``pieces`` end to end into a new file at ``path``, and start writing it to disk: the
-    disk works while the next files are checksummed and copied, and :func:`fsync_path` later
-    finds little left to wait for (an fsync right away would idle the disk between files)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        batch: list[memoryview | bytes] = []
-        position = 0
-        for piece in [*pieces, None]:
-            if piece is not None:
-                batch.append(piece)
-            if batch and (piece is None or len(batch) == _IOV_MAX):
-                want = sum(len(b) for b in batch)
-                done = os.pwritev(fd, batch, position)
-                while done < want:  # a short write: finish it piece by piece
-                    rest = b"".join(bytes(b) for b in batch)[done:]
-                    done += os.pwrite(fd, rest, position + done)
-                position += want
-                batch = []
-        if _START_WRITEBACK is not None:
-            _START_WRITEBACK(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_shard(shard: _Shard) -> None:
-    data = shard.data
-    rows = shard.chunk  # cut along leading dimensions only: every inner chunk is contiguous
-    grid = [n // c for n, c in zip(data.shape, rows)]
-    pieces: list[memoryview | bytes] = []
-    entries: list[tuple[int, int]] = []
-    offset = 0
-    for position in np.ndindex(*grid):
-        view = _bytes_of(
-            np.ascontiguousarray(_at(data, tuple(slice(p * c, (p + 1) * c) for p, c in zip(position, rows))))
-        )
-        pieces += [view, _crc(view)]
-        entries.append((offset, len(view) + _CRC))
-        offset += len(view) + _CRC
-    index = np.array(entries, "<u8").reshape(-1, 2).tobytes()
-    _write_file(shard.file, [*pieces, index, _crc(memoryview(index))])
-
-
-def _padded(data: np.ndarray, box: Sequence[tuple[int, int]], shard: Sequence[int]) -> np.ndarray:
-    """The shard at ``box`` (clipped to the array) as a C-contiguous array of the shard's full shape."""
-    data = np.ascontiguousarray(data)
-    if tuple(hi - lo for lo, hi in box) == tuple(shard):
-        return data
-    out = np.zeros(shard, data.dtype)
-    out[tuple(slice(0, hi - lo) for lo, hi in box)] = data
-    return out
-
-
-class LocalWriter:
-    """Writes the arrays of one checkpoint's data store in a local folder (see :class:`jaxckpt._tensorstore.Writer`)."""
-
-    def __init__(self, folder: str) -> None:
-        self._folder = folder
-        self._files: list[tuple[str, list[memoryview | bytes]]] = []  # written as they are: path, pieces
-        self._shards: list[_Shard] = []
-
-    def add_array(
-        self,
-        path: str,
-        shape: Sequence[int],
-        stored: np.dtype,
-        shard: Sequence[int],
-        parts: Sequence[tuple[tuple[slice, ...], np.ndarray]],
-    ) -> None:
-        """Record the array at ``path`` (shards of shape ``shard``) and the parts to write: each part is
-        whole shards, at a region whose start is a multiple of the shard shape."""
-        folder = os.path.join(self._folder, path)
-        meta = metadata(shape, stored.name, shard, stored.itemsize)
-        self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
-        chunk = inner_chunk_shape(shard, stored.itemsize)
-        for index, data in parts:
-            box = [s.indices(n)[:2] for s, n in zip(index, shape)]
-            for position, sub in _split(box, shard, shape):
-                piece = _at(data, tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(sub, box)))
-                file = os.path.join(folder, chunk_key(position))
-                self._shards.append(_Shard(file, _padded(piece.view(stored), sub, shard), chunk))
-
-    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]], chunk: int) -> None:
-        """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, uint8 data), in order and apart,
-        written straight from their buffers; the bytes between them are zeros."""
-        shard = pack_shard(nbytes, chunk)
-        folder = os.path.join(self._folder, path)
-        meta = pack_metadata(nbytes, chunk)
-        self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
-        if not nbytes:
-            return
-        out: list[memoryview | bytes] = []
-        at = 0
-        for offset, data in pieces:
-            if offset > at:
-                out.append(bytes(offset - at))
-            out.append(_bytes_of(data))
-            at = offset + data.size
-        if shard > at:
-            out.append(bytes(shard - at))
-        index = np.array([(i * chunk, chunk) for i in range(shard // chunk)], "<u8").tobytes()
-        self._files.append((os.path.join(folder, chunk_key([0])), [*out, index, _crc(memoryview(index))]))
-
-    def flush(self) -> None:
-        """Write everything recorded so far, durably; then forget it."""
-        shards, self._shards = self._shards, []
-        files, self._files = self._files, []
-        jobs: list[Callable[[], None]] = [lambda s=s: _write_shard(s) for s in shards]  # type: ignore[misc]
-        jobs += [lambda f=f, b=b: _write_file(f, b) for f, b in files]  # type: ignore[misc]
-        futures = [_pool().submit(job) for job in jobs]
-        errors = []
-        for future in futures:  # every write settles before the caller may remove the folder
-            try:
-                future.result()
-            except OSError as e:
-                errors.append(e)
-        if not errors:  # then durably, all at once
-            written = [s.file for s in shards] + [f for f, _ in files]
-            futures = [_pool().submit(fsync_path, f) for f in written]
-            for future in futures:
-                try:
-                    future.result()
-                except OSError as e:
-                    errors.append(e)
-        if errors:
-            first = errors[0]
-            raise StorageError(f"Cannot write the checkpoint's data: {first}", first.errno or errno.EIO) from first
-
-
-def _split(
+def shards_in(
     box: Sequence[tuple[int, int]], shard: Sequence[int], shape: Sequence[int]
 ) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:
     """The shards that ``box`` covers: (grid position, the part of the box in it)."""
@@ -301,6 +139,15 @@ def _split(
 
 
 # --- reading ------------------------------------------------------------------------------------
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or a folder by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class LocalArray(NamedTuple):
@@ -370,13 +217,13 @@ def _open_regular(array: LocalArray, file: str) -> int:
 def _shard_index(array: LocalArray, fd: int, file: str, chunks: int, stored_bytes: int) -> np.ndarray:
     """The (offset, size) of each inner chunk of a shard file, checked against the file."""
     size = os.fstat(fd).st_size
-    length = chunks * _ENTRY + _CRC
+    length = chunks * _ENTRY + CRC
     if size < length:
         raise _damaged(array, f"{file} is {size} bytes, too short for its index of {chunks} chunks")
     raw = os.pread(fd, length, size - length)
-    if len(raw) != length or _crc(memoryview(raw[:-_CRC])) != raw[-_CRC:]:
+    if len(raw) != length or crc_bytes(memoryview(raw[:-CRC])) != raw[-CRC:]:
         raise _damaged(array, f"the chunk index of {file} fails its checksum")
-    entries = np.frombuffer(raw[:-_CRC], "<u8").reshape(chunks, 2)
+    entries = np.frombuffer(raw[:-CRC], "<u8").reshape(chunks, 2)
     end = size - length
     offsets, sizes = entries[:, 0], entries[:, 1]
     if (offsets == _EMPTY).any():
@@ -390,10 +237,52 @@ def _read_chunk(fd: int, into: memoryview, offset: int, checksum: bool) -> bool:
     """Read a chunk (and its checksum) into ``into``; whether it was all there and matches."""
     if not checksum:
         return os.preadv(fd, [into], offset) == len(into)
-    stored = bytearray(_CRC)
-    if os.preadv(fd, [into, stored], offset) != len(into) + _CRC:
+    stored = bytearray(CRC)
+    if os.preadv(fd, [into, stored], offset) != len(into) + CRC:
         return False
-    return _crc(into) == bytes(stored)
+    return crc_bytes(into) == bytes(stored)
+
+
+class _Piece(NamedTuple):
+    """One inner chunk of a shard that a read wants (all of it, or part)."""
+
+    grid: list[int]  # its place in the shard's chunk grid
+    number: int  # its entry in the shard's index
+    target: np.ndarray  # where its wanted part goes
+    source: tuple[slice, ...]  # which part of it that is
+    direct: bool  # all of it, into a contiguous target: read in place
+
+
+class _PartPlan(NamedTuple):
+    file: str  # the shard's file
+    chunks: int  # inner chunks in the shard
+    pieces: list[_Piece]
+
+
+def _plan_part(
+    array: LocalArray,
+    position: tuple[int, ...],
+    sub: list[tuple[int, int]],
+    box: list[tuple[int, int]],
+    out: np.ndarray,
+) -> _PartPlan:
+    """The chunks of the shard at ``position`` that hold ``sub``, and where each goes in ``out`` (``box``)."""
+    chunk = array.chunk
+    per_shard = [s // c for s, c in zip(array.shard, chunk)]
+    origin = [p * s for p, s in zip(position, array.shard)]
+    local = [(lo - o, hi - o) for (lo, hi), o in zip(sub, origin)]  # within the shard
+    ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(local, chunk)]
+    pieces = []
+    for inner in np.ndindex(*map(len, ranges)):
+        grid = [r[i] for r, i in zip(ranges, inner)]
+        start = [o + g * c for o, g, c in zip(origin, grid, chunk)]  # of the chunk, in the array
+        want = [(max(lo, s), min(hi, s + c)) for (lo, hi), s, c in zip(sub, start, chunk)]
+        target = view_at(out, tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(want, box)))
+        direct = all(hi - lo == c for (lo, hi), c in zip(want, chunk)) and target.flags.c_contiguous
+        source = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(want, start))
+        number = int(np.ravel_multi_index(grid, per_shard)) if grid else 0
+        pieces.append(_Piece(grid, number, target, source, direct))
+    return _PartPlan(os.path.join(array.folder, chunk_key(position)), math.prod(per_shard), pieces)
 
 
 class LocalReader:
@@ -401,6 +290,10 @@ class LocalReader:
 
     def __init__(self, folder: str) -> None:
         self._folder = folder
+        self._lock = threading.Lock()
+        # (shard file, chunk number) -> [reads that want part of it and have not had it, its Future
+        # once one of them reads it]
+        self._partial: dict[tuple[str, int], list[Any]] = {}
 
     def open_array(self, key: str, path: str, stored: str, shape: Sequence[int], shard: Sequence[int]) -> LocalArray:
         """The array at ``path``, its ``zarr.json`` checked against what the index implies."""
@@ -435,54 +328,74 @@ class LocalReader:
         if out.size == 0:
             return LocalRead(out, [])
         jobs = []
-        for position, sub in _split(box, array.shard, array.shape):
-            jobs.append(_pool().submit(self._read_shard_part, array, position, sub, box, out))
+        for position, sub in shards_in(box, array.shard, array.shape):
+            plan = _plan_part(array, position, sub, box, out)
+            with self._lock:  # a chunk that several reads want part of is read once for all of them
+                for piece in plan.pieces:
+                    if not piece.direct:
+                        self._partial.setdefault((plan.file, piece.number), [0, None])[0] += 1
+            jobs.append(io_pool().submit(self._read_part, array, plan))
         return LocalRead(out, jobs)
 
-    def _read_shard_part(
-        self,
-        array: LocalArray,
-        position: tuple[int, ...],
-        sub: list[tuple[int, int]],
-        box: list[tuple[int, int]],
-        out: np.ndarray,
-    ) -> None:
-        """Read the part ``sub`` of the shard at ``position`` into its place in ``out`` (``box``)."""
-        file = os.path.join(array.folder, chunk_key(position))
-        chunk, itemsize = array.chunk, array.dtype.itemsize
-        per_shard = [s // c for s, c in zip(array.shard, chunk)]
-        chunk_bytes = math.prod(chunk) * itemsize
-        origin = [p * s for p, s in zip(position, array.shard)]
-        fd = _open_regular(array, file)
+    def _read_part(self, array: LocalArray, plan: _PartPlan) -> None:
+        """Read the chunks of one shard that ``plan`` lists into their places."""
+        file, chunk = plan.file, array.chunk
+        shared = {piece.number for piece in plan.pieces if not piece.direct}
         try:
-            entries = _shard_index(array, fd, file, math.prod(per_shard), chunk_bytes + _CRC * array.checksum)
-            local = [(lo - o, hi - o) for (lo, hi), o in zip(sub, origin)]  # within the shard
-            ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(local, chunk)]
-            spare: np.ndarray | None = None
-            wanted = [[r[i] for r, i in zip(ranges, inner)] for inner in np.ndindex(*map(len, ranges))]
-            numbers = [int(np.ravel_multi_index(grid, per_shard)) if grid else 0 for grid in wanted]
-            if len(numbers) > 1 and _READ_AHEAD:  # a cold page cache: ask the disk for all of it at once
-                first, last = min(entries[numbers, 0]), max(entries[numbers, 0] + entries[numbers, 1])
-                os.posix_fadvise(fd, int(first), int(last - first), os.POSIX_FADV_WILLNEED)
-            for grid, number in zip(wanted, numbers):
-                start = [o + g * c for o, g, c in zip(origin, grid, chunk)]  # of the chunk, in the array
-                want = [(max(lo, s), min(hi, s + c)) for (lo, hi), s, c in zip(sub, start, chunk)]
-                target = _at(out, tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(want, box)))
-                whole = all(hi - lo == c for (lo, hi), c in zip(want, chunk))
-                if whole and target.flags.c_contiguous:
-                    into = _bytes_of(target)
-                    if not _read_chunk(fd, into, int(entries[number, 0]), array.checksum):
-                        raise _damaged(array, f"chunk {grid} of {file} fails its checksum")
-                    continue
-                if spare is None:
-                    spare = np.empty(chunk, array.dtype)
-                if not _read_chunk(fd, _bytes_of(spare), int(entries[number, 0]), array.checksum):
-                    raise _damaged(array, f"chunk {grid} of {file} fails its checksum")
-                target[...] = _at(spare, tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(want, start)))
-        except OSError as e:
-            raise _refused(array, e) from e
+            fd = _open_regular(array, file)
+            try:
+                entries = _shard_index(
+                    array, fd, file, plan.chunks, math.prod(chunk) * array.dtype.itemsize + CRC * array.checksum
+                )
+                numbers = [piece.number for piece in plan.pieces]
+                if len(numbers) > 1 and _READ_AHEAD:  # a cold page cache: ask the disk for all of it at once
+                    first, last = min(entries[numbers, 0]), max(entries[numbers, 0] + entries[numbers, 1])
+                    os.posix_fadvise(fd, int(first), int(last - first), os.POSIX_FADV_WILLNEED)
+                for piece in plan.pieces:
+                    offset = int(entries[piece.number, 0])
+                    if piece.direct:
+                        if not _read_chunk(fd, bytes_of(piece.target), offset, array.checksum):
+                            raise _damaged(array, f"chunk {piece.grid} of {file} fails its checksum")
+                        continue
+                    whole = self._shared_chunk(array, fd, plan.file, piece, offset)
+                    piece.target[...] = view_at(whole, piece.source)
+                    self._release(plan.file, piece.number)
+                    shared.discard(piece.number)
+            except OSError as e:
+                raise _refused(array, e) from e
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            for number in shared:  # not reached: this read failed first
+                self._release(plan.file, number)
+
+    def _shared_chunk(self, array: LocalArray, fd: int, file: str, piece: _Piece, offset: int) -> np.ndarray:
+        """A chunk that reads want part of, read and checked by the first of them; the others wait for
+        it (the reader never waits while it reads, so no two reads wait for each other)."""
+        with self._lock:
+            entry = self._partial[(file, piece.number)]
+            mine = entry[1] is None
+            if mine:
+                entry[1] = Future()
+        future: Future[np.ndarray] = entry[1]
+        if not mine:
+            return future.result()
+        try:
+            whole = np.empty(array.chunk, array.dtype)
+            if not _read_chunk(fd, bytes_of(whole), offset, array.checksum):
+                raise _damaged(array, f"chunk {piece.grid} of {file} fails its checksum")
+        except BaseException as e:
+            future.set_exception(e)
+            raise
+        future.set_result(whole)
+        return whole
+
+    def _release(self, file: str, number: int) -> None:
+        with self._lock:
+            entry = self._partial[(file, number)]
+            entry[0] -= 1
+            if entry[0] == 0:  # its last read has it: let it go
+                del self._partial[(file, number)]
 
     def read_pack_spans(self, path: str, nbytes: int, chunk: int, spans: Sequence[tuple[int, int]]) -> list[LocalRead]:
         """Start reading byte spans (start, stop) of the pack at ``path``."""

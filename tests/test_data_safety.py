@@ -39,7 +39,7 @@ def _shard_index(file: Path) -> np.ndarray:
     n = 1
     while n * 16 + 4 <= len(raw):  # the index length is not recorded: find the one whose checksum holds
         index = raw[-(n * 16 + 4) : -4]
-        if _zarr_local._crc(memoryview(index)) == raw[-4:]:
+        if _zarr_local.crc_bytes(memoryview(index)) == raw[-4:]:
             return np.frombuffer(index, "<u8").reshape(n, 2)
         n += 1
     raise AssertionError(f"no valid index at the end of {file}")
@@ -52,7 +52,7 @@ def _mark_absent(file: Path, chunk: int) -> None:
     entries[chunk] = [2**64 - 1, 2**64 - 1]
     raw = file.read_bytes()
     index = entries.astype("<u8").tobytes()
-    file.write_bytes(raw[: -(len(index) + 4)] + index + _zarr_local._crc(memoryview(index)))
+    file.write_bytes(raw[: -(len(index) + 4)] + index + _zarr_local.crc_bytes(memoryview(index)))
 
 
 def _index(path: Path) -> dict:

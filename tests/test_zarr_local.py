@@ -55,7 +55,7 @@ def _chunks_per_shard(folder: Path) -> int:
 def _entries(file: Path, chunks: int) -> np.ndarray:
     raw = file.read_bytes()
     index = raw[-(chunks * _ENTRY + _CRC) : -_CRC]
-    assert _zarr_local._crc(memoryview(index)) == raw[-_CRC:], "the shard index fails its checksum"
+    assert _zarr_local.crc_bytes(memoryview(index)) == raw[-_CRC:], "the shard index fails its checksum"
     return np.frombuffer(index, "<u8").reshape(chunks, 2).copy()
 
 
@@ -63,7 +63,7 @@ def _write_entries(file: Path, entries: np.ndarray) -> None:
     """Replace the shard's index, with a valid checksum (as a crafted file would have)."""
     raw = file.read_bytes()
     index = entries.astype("<u8").tobytes()
-    file.write_bytes(raw[: -(len(index) + _CRC)] + index + _zarr_local._crc(memoryview(index)))
+    file.write_bytes(raw[: -(len(index) + _CRC)] + index + _zarr_local.crc_bytes(memoryview(index)))
 
 
 def _ts_read(folder: Path) -> np.ndarray:
@@ -358,13 +358,13 @@ def test_a_region_restore_onto_another_mesh_reads_partial_inner_chunks(tmp_path,
     assert len(_shards(folder)) == 8
     sharding = target()
     partial = []
-    real = _zarr_local.LocalReader._read_shard_part
+    real = _zarr_local.LocalReader._read_part
 
-    def recording(self, array, position, sub, box, out):
-        partial.append(any((hi - lo) % c or lo % c for (lo, hi), c in zip(sub, array.chunk)))
-        return real(self, array, position, sub, box, out)
+    def recording(self, array, plan):
+        partial.append(any(not piece.direct for piece in plan.pieces))
+        return real(self, array, plan)
 
-    monkeypatch.setattr(_zarr_local.LocalReader, "_read_shard_part", recording)
+    monkeypatch.setattr(_zarr_local.LocalReader, "_read_part", recording)
     restored = jaxckpt.restore(path, like={"w": jax.ShapeDtypeStruct((96, 32), np.float32, sharding=sharding)})
     assert restored["w"].sharding == sharding
     _same_bits(np.asarray(restored["w"]), values)
@@ -542,3 +542,28 @@ def test_a_shard_or_zarr_json_that_is_not_a_regular_file_is_refused_without_bloc
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*not a regular file"):
         jaxckpt.restore(path)
     np.testing.assert_array_equal(jaxckpt.load_variable(path, "small"), np.arange(3))
+
+
+def test_a_chunk_that_several_regions_want_part_of_is_read_once(tmp_path, monkeypatch):
+    """Saved sharded by rows and restored sharded by columns, every inner chunk is wanted in part by
+    several devices' regions: it is read and checked once for all of them, and let go after."""
+    values = np.random.default_rng(7).standard_normal((1024, 1024)).astype(np.float32)  # over the pack limit
+    saved = jax.device_put(values, NamedSharding(_mesh((8,), ("d",)), P("d")))
+    path = Path(jaxckpt.save(tmp_path / "c", {"w": saved}))
+    read = []
+    real = _zarr_local._read_chunk
+
+    def counting(fd, into, offset, checksum):
+        read.append(len(into))
+        return real(fd, into, offset, checksum)
+
+    monkeypatch.setattr(_zarr_local, "_read_chunk", counting)
+    sharding = NamedSharding(_mesh((8,), ("d",)), P(None, "d"))
+    restored = jaxckpt.restore(path, like={"w": jax.ShapeDtypeStruct((1024, 1024), np.float32, sharding=sharding)})
+    _same_bits(np.asarray(restored["w"]), values)
+    assert sum(read) == values.nbytes, f"read {sum(read)} bytes of chunks for {values.nbytes} bytes"
+    from jaxckpt._reader import Opened
+
+    opened = Opened(path)
+    opened.read_regions({"w": [(slice(0, 1024), slice(128 * i, 128 * i + 128)) for i in range(8)]})
+    assert all(not r._local._partial for r in opened._readers.values() if r._local is not None)

@@ -1,0 +1,172 @@
+"""Format version 4's data stores written on a local disk: each shard's file from the array's own
+buffer (``pwritev``), every inner chunk followed by its CRC-32C and the shard's index at the end
+(see :mod:`jaxckpt._zarr_local`), packs from their leaves' buffers, on the I/O threads."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxckpt._errors import StorageError
+from jaxckpt._zarr_local import CRC, bytes_of, crc_bytes, fsync_path, io_pool, shards_in, view_at
+from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, pack_metadata, pack_shard
+
+_IOV_MAX = 512  # buffers per pwritev call (Linux allows 1024)
+
+
+class _Shard(NamedTuple):
+    file: str  # its path
+    data: np.ndarray  # C-contiguous, the shard's shape (padded where the array ends inside it)
+    chunk: tuple[int, ...]  # inner chunk shape
+
+
+def _libc_sync_file_range() -> Callable[[int], object] | None:
+    """Linux's ``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)``: start writing a file's dirty pages
+    to disk without waiting (None elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return lambda fd: call(fd, 0, 0, 2)
+
+
+_START_WRITEBACK = _libc_sync_file_range() if sys.platform.startswith("linux") else None
+
+
+def _write_file(path: str, pieces: Iterable[memoryview | bytes]) -> None:
+    """Write ``pieces`` end to end into a new file at ``path``, and start writing it to disk: the
+    disk works while the next files are checksummed and copied, and :func:`fsync_path` later
+    finds little left to wait for (an fsync right away would idle the disk between files)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        batch: list[memoryview | bytes] = []
+        position = 0
+        for piece in [*pieces, None]:
+            if piece is not None:
+                batch.append(piece)
+            if batch and (piece is None or len(batch) == _IOV_MAX):
+                want = sum(len(b) for b in batch)
+                done = os.pwritev(fd, batch, position)
+                while done < want:  # a short write: finish it piece by piece
+                    rest = b"".join(bytes(b) for b in batch)[done:]
+                    done += os.pwrite(fd, rest, position + done)
+                position += want
+                batch = []
+        if _START_WRITEBACK is not None:
+            _START_WRITEBACK(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_shard(shard: _Shard) -> None:
+    data = shard.data
+    rows = shard.chunk  # cut along leading dimensions only: every inner chunk is contiguous
+    grid = [n // c for n, c in zip(data.shape, rows)]
+    pieces: list[memoryview | bytes] = []
+    entries: list[tuple[int, int]] = []
+    offset = 0
+    for position in np.ndindex(*grid):
+        view = bytes_of(
+            np.ascontiguousarray(view_at(data, tuple(slice(p * c, (p + 1) * c) for p, c in zip(position, rows))))
+        )
+        pieces += [view, crc_bytes(view)]
+        entries.append((offset, len(view) + CRC))
+        offset += len(view) + CRC
+    index = np.array(entries, "<u8").reshape(-1, 2).tobytes()
+    _write_file(shard.file, [*pieces, index, crc_bytes(memoryview(index))])
+
+
+def _padded(data: np.ndarray, box: Sequence[tuple[int, int]], shard: Sequence[int]) -> np.ndarray:
+    """The shard at ``box`` (clipped to the array) as a C-contiguous array of the shard's full shape."""
+    data = np.ascontiguousarray(data)
+    if tuple(hi - lo for lo, hi in box) == tuple(shard):
+        return data
+    out = np.zeros(shard, data.dtype)
+    out[tuple(slice(0, hi - lo) for lo, hi in box)] = data
+    return out
+
+
+class LocalWriter:
+    """Writes the arrays of one checkpoint's data store in a local folder (see :class:`jaxckpt._tensorstore.Writer`)."""
+
+    def __init__(self, folder: str) -> None:
+        self._folder = folder
+        self._files: list[tuple[str, list[memoryview | bytes]]] = []  # written as they are: path, pieces
+        self._shards: list[_Shard] = []
+
+    def add_array(
+        self,
+        path: str,
+        shape: Sequence[int],
+        stored: np.dtype,
+        shard: Sequence[int],
+        parts: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+    ) -> None:
+        """Record the array at ``path`` (shards of shape ``shard``) and the parts to write: each part is
+        whole shards, at a region whose start is a multiple of the shard shape."""
+        folder = os.path.join(self._folder, path)
+        meta = metadata(shape, stored.name, shard, stored.itemsize)
+        self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
+        chunk = inner_chunk_shape(shard, stored.itemsize)
+        for index, data in parts:
+            box = [s.indices(n)[:2] for s, n in zip(index, shape)]
+            for position, sub in shards_in(box, shard, shape):
+                piece = view_at(data, tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(sub, box)))
+                file = os.path.join(folder, chunk_key(position))
+                self._shards.append(_Shard(file, _padded(piece.view(stored), sub, shard), chunk))
+
+    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]], chunk: int) -> None:
+        """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, uint8 data), in order and apart,
+        written straight from their buffers; the bytes between them are zeros."""
+        shard = pack_shard(nbytes, chunk)
+        folder = os.path.join(self._folder, path)
+        meta = pack_metadata(nbytes, chunk)
+        self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
+        if not nbytes:
+            return
+        out: list[memoryview | bytes] = []
+        at = 0
+        for offset, data in pieces:
+            if offset > at:
+                out.append(bytes(offset - at))
+            out.append(bytes_of(data))
+            at = offset + data.size
+        if shard > at:
+            out.append(bytes(shard - at))
+        index = np.array([(i * chunk, chunk) for i in range(shard // chunk)], "<u8").tobytes()
+        self._files.append((os.path.join(folder, chunk_key([0])), [*out, index, crc_bytes(memoryview(index))]))
+
+    def flush(self) -> None:
+        """Write everything recorded so far, durably; then forget it."""
+        shards, self._shards = self._shards, []
+        files, self._files = self._files, []
+        jobs: list[Callable[[], None]] = [lambda s=s: _write_shard(s) for s in shards]  # type: ignore[misc]
+        jobs += [lambda f=f, b=b: _write_file(f, b) for f, b in files]  # type: ignore[misc]
+        futures = [io_pool().submit(job) for job in jobs]
+        errors = []
+        for future in futures:  # every write settles before the caller may remove the folder
+            try:
+                future.result()
+            except OSError as e:
+                errors.append(e)
+        if not errors:  # then durably, all at once
+            written = [s.file for s in shards] + [f for f, _ in files]
+            futures = [io_pool().submit(fsync_path, f) for f in written]
+            for future in futures:
+                try:
+                    future.result()
+                except OSError as e:
+                    errors.append(e)
+        if errors:
+            first = errors[0]
+            raise StorageError(f"Cannot write the checkpoint's data: {first}", first.errno or errno.EIO) from first
