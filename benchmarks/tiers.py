@@ -34,17 +34,16 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.join(os.path.dirname(HERE), "tests"))  # moto_server: the tests' S3 server
 
 MiB = 1 << 20
 BUCKET = "bench"
@@ -150,48 +149,14 @@ def child(config: str, workdir: str, size: int, leaves: int, saves: int, steps_p
 # --- the driver -------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_moto() -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    """A moto S3 server on 127.0.0.1 with the bucket made (as tests/conftest.py's s3_server)."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:  # poll until it answers
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the moto S3 server did not start") from None
-            time.sleep(0.1)
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=10)
-    env = {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": endpoint,
-    }
-    return proc, env
-
-
 def run_config(config: str, args: argparse.Namespace, workdir: str) -> dict[str, Any]:
+    import moto_server
     from run import child_env
 
     env = child_env(1)
     moto = None
     if config != "local":
-        moto, s3_env = start_moto()
+        moto, s3_env = moto_server.start(BUCKET)
         env.update(s3_env)
     result_path = os.path.join(workdir, f"result-{config}.json")
     argv = [sys.executable, os.path.abspath(__file__), "--child", config, "--result", result_path]

@@ -1,16 +1,12 @@
 """Every test runs on CPU with 8 host devices, so meshes and sharded arrays are real."""
 
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax
+import moto_server
 import pytest
 
 jax.config.update("jax_enable_x64", False)
@@ -29,39 +25,11 @@ def small_packs(monkeypatch):
 BUCKET = "jaxckpt-tests"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_server():
     """An S3-compatible server on loopback (moto), started once per test process, stopped at the end."""
     pytest.importorskip("moto")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:  # poll until it answers (a readiness check, not a sleep to wait for work)
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the moto S3 server did not start") from None
-    env = {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": endpoint,
-    }
-    req = urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT")
-    urllib.request.urlopen(req, timeout=10)
+    proc, env = moto_server.start(BUCKET)
     yield env
     proc.terminate()
     proc.wait(timeout=30)
