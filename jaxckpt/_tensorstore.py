@@ -193,8 +193,7 @@ def pack_chunk(nbytes: int) -> int:
 def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> list[int]:
     """The shard shape (zarr3 outer chunk) the index records for an array of ``shape`` whose regions
     are ``shard`` in size (format version 4; see :func:`jaxckpt._zarr_meta.shard_shape`)."""
-    whole = [max(1, n) for n in shard] == [max(1, n) for n in shape]
-    return list(_zarr_meta.shard_shape(shape, shard, itemsize, whole=whole))
+    return list(_zarr_meta.shard_shape(shape, shard, itemsize))
 
 
 def _sharded_metadata(shape: Sequence[int], stored: str, shard: Sequence[int]) -> dict[str, Any]:
@@ -367,11 +366,12 @@ class Reader:
             spec = {**_spec(self._base, path), "metadata": metadata, "fill_missing_data_reads": not self._strict}
         return ts.open(spec, open=True, context=self._context)
 
-    def _metadata(self, shape: Sequence[int], dtype: str, chunks: Sequence[int] | None, checksum: bool) -> Any:
+    def _array_metadata(self, shape: Sequence[int], dtype: str, chunks: Sequence[int] | None) -> Any:
+        """An array's metadata (not a pack's) in this checkpoint's format version."""
         if self._sharded:
             assert chunks is not None  # version 4 indexes record every shard shape
             return _sharded_metadata(shape, dtype, chunks)
-        return _metadata(shape, dtype, chunks, checksum)
+        return _metadata(shape, dtype, chunks, checksum=True)
 
     def open_arrays(
         self, requests: Iterable[tuple[str, str, str, Sequence[int], Sequence[int] | None]]
@@ -385,7 +385,7 @@ class Reader:
                 for key, path, dtype, shape, chunks in requests
             }
         futures = [
-            self._open(path, self._metadata(shape, dtype, chunks, True)) for _, path, dtype, shape, chunks in requests
+            self._open(path, self._array_metadata(shape, dtype, chunks)) for _, path, dtype, shape, chunks in requests
         ]
         stores = {}
         for (key, path, dtype, shape, _), future in zip(requests, futures):

@@ -50,7 +50,6 @@ _EMPTY = (1 << 64) - 1  # the index entry of an absent chunk
 _ALIGN = 64
 _ZARR_JSON_LIMIT = 1 << 20
 _THREADS = 4
-_READ_AHEAD = True
 
 
 def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
@@ -348,7 +347,7 @@ class LocalReader:
                     array, fd, file, plan.chunks, math.prod(chunk) * array.dtype.itemsize + CRC * array.checksum
                 )
                 numbers = [piece.number for piece in plan.pieces]
-                if len(numbers) > 1 and _READ_AHEAD:  # a cold page cache: ask the disk for all of it at once
+                if len(numbers) > 1:  # a cold page cache: ask the disk for all of it at once
                     first, last = min(entries[numbers, 0]), max(entries[numbers, 0] + entries[numbers, 1])
                     os.posix_fadvise(fd, int(first), int(last - first), os.POSIX_FADV_WILLNEED)
                 for piece in plan.pieces:

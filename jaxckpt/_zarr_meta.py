@@ -32,6 +32,17 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return best
 
 
+def _cut(shard: Sequence[int], itemsize: int) -> tuple[int, int] | None:
+    """Where a shard is cut into inner chunks: the first dimension one step along which (a *row*) is
+    at most INNER_CHUNK_LIMIT bytes (the dimensions before it are cut into 1s), and how many rows of
+    it a chunk may hold; None for rank 0."""
+    for i in range(len(shard)):
+        row = math.prod(shard[i + 1 :]) * itemsize
+        if row <= INNER_CHUNK_LIMIT:
+            return i, INNER_CHUNK_LIMIT // row
+    return None
+
+
 def inner_chunk_shape(shard: Sequence[int], itemsize: int) -> tuple[int, ...]:
     """The inner chunks of a shard: it is cut along its leading dimensions only, so that each inner
     chunk is contiguous in a C-order shard, into pieces of at most INNER_CHUNK_LIMIT bytes. Along the
@@ -39,29 +50,29 @@ def inner_chunk_shape(shard: Sequence[int], itemsize: int) -> tuple[int, ...]:
     ``_TOO_FINE`` times too small (a prime size), the rest of the shard is one chunk instead.
     Part of the format: readers derive the chunks from the shard shape the index records."""
     chunk = [max(1, n) for n in shard]
-    for i in range(len(chunk)):
-        row = math.prod(chunk[i + 1 :]) * itemsize  # bytes of one step along dimension i
-        if chunk[i] * row <= INNER_CHUNK_LIMIT:
-            break
-        if row > INNER_CHUNK_LIMIT:
-            chunk[i] = 1
-            continue
-        want = INNER_CHUNK_LIMIT // row
-        divisor = _largest_divisor(chunk[i], want)
-        if divisor * _TOO_FINE >= want:
-            chunk[i] = divisor
-        break
+    cut = _cut(chunk, itemsize)
+    if cut is not None:
+        i, rows = cut
+        chunk[:i] = [1] * i
+        if chunk[i] > rows:
+            divisor = _largest_divisor(chunk[i], rows)
+            if divisor * _TOO_FINE >= rows:
+                chunk[i] = divisor
     return tuple(chunk)
 
 
-def shard_shape(shape: Sequence[int], region: Sequence[int], itemsize: int, *, whole: bool) -> tuple[int, ...]:
+def shard_shape(shape: Sequence[int], region: Sequence[int], itemsize: int) -> tuple[int, ...]:
     """The outer chunk (shard) of an array of ``shape`` whose regions are ``region`` in size. An array
-    stored ``whole`` (one region) may have a shard larger than itself: where its size along the
-    dimension cut is prime, the shard is padded to a multiple of a good chunk instead of being one
-    chunk of any size."""
+    stored whole (one region) may have a shard larger than itself: where its size along the dimension
+    cut is prime, the shard is padded to a multiple of a good chunk instead of being one chunk of any
+    size."""
     shard = [max(1, n) for n in region]
-    if not whole:
-        return tuple(shard)
+    cut = _cut(shard, itemsize) if shard == [max(1, n) for n in shape] else None
+    if cut is not None:
+        i, rows = cut
+        if shard[i] > rows and _largest_divisor(shard[i], rows) * _TOO_FINE < rows:
+            shard[i] = -(-shard[i] // rows) * rows
+    return tuple(shard)
     for i in range(len(shard)):
         row = math.prod(shard[i + 1 :]) * itemsize
         if shard[i] * row <= INNER_CHUNK_LIMIT or row > INNER_CHUNK_LIMIT:
