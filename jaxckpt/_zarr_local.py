@@ -168,12 +168,14 @@ class LocalArray(NamedTuple):
 
 
 class LocalRead:
-    """A region being read into ``buffer`` by the I/O threads."""
+    """A region being read into ``buffer`` by the I/O threads, once ``start`` hands them the reads
+    started so far (the first ``result`` of any of them does)."""
 
-    def __init__(self, buffer: np.ndarray, futures: list[Future[None]]) -> None:
-        self.buffer, self._futures = buffer, futures
+    def __init__(self, buffer: np.ndarray, futures: list[Future[None]], start: Callable[[], None]) -> None:
+        self.buffer, self._futures, self._start = buffer, futures, start
 
     def result(self) -> np.ndarray:
+        self._start()
         for future in self._futures:
             future.result()
         return self.buffer
@@ -293,6 +295,7 @@ class LocalReader:
         # (shard file, chunk number) -> [reads that want part of it and have not had it, its Future
         # once one of them reads it]
         self._partial: dict[tuple[str, int], list[Any]] = {}
+        self._queued: list[tuple[LocalArray, _PartPlan, Future[None]]] = []  # reads not handed over yet
 
     def open_array(self, key: str, path: str, stored: str, shape: Sequence[int], shard: Sequence[int]) -> LocalArray:
         """The array at ``path``, its ``zarr.json`` checked against what the index implies."""
@@ -324,17 +327,34 @@ class LocalReader:
         """Start reading ``region`` of the array into a fresh aligned buffer."""
         box = [s.indices(n)[:2] for s, n in zip(region, array.shape)]
         out = aligned_empty([hi - lo for lo, hi in box], array.dtype)
-        if out.size == 0:
-            return LocalRead(out, [])
-        jobs = []
-        for position, sub in shards_in(box, array.shard, array.shape):
-            plan = _plan_part(array, position, sub, box, out)
-            with self._lock:  # a chunk that several reads want part of is read once for all of them
-                for piece in plan.pieces:
-                    if not piece.direct:
-                        self._partial.setdefault((plan.file, piece.number), [0, None])[0] += 1
-            jobs.append(io_pool().submit(self._read_part, array, plan))
-        return LocalRead(out, jobs)
+        futures: list[Future[None]] = []
+        if out.size:
+            for position, sub in shards_in(box, array.shard, array.shape):
+                plan = _plan_part(array, position, sub, box, out)
+                futures.append(Future())
+                with self._lock:  # a chunk that several reads want part of is read once for all of them
+                    for piece in plan.pieces:
+                        if not piece.direct:
+                            self._partial.setdefault((plan.file, piece.number), [0, None])[0] += 1
+                    self._queued.append((array, plan, futures[-1]))
+        return LocalRead(out, futures, self._start)
+
+    def _start(self) -> None:
+        """Hand the reads started so far to the I/O threads. Held back until a result is wanted, so
+        that every region started before then has said which shared chunks it wants: a chunk is
+        never let go by its first reader before a later one has asked for it."""
+        with self._lock:
+            queued, self._queued = self._queued, []
+        for array, plan, future in queued:
+            io_pool().submit(self._run, array, plan, future)
+
+    def _run(self, array: LocalArray, plan: _PartPlan, future: Future[None]) -> None:
+        try:
+            self._read_part(array, plan)
+        except BaseException as e:
+            future.set_exception(e)
+        else:
+            future.set_result(None)
 
     def _read_part(self, array: LocalArray, plan: _PartPlan) -> None:
         """Read the chunks of one shard that ``plan`` lists into their places."""
