@@ -20,6 +20,16 @@ def small_packs(monkeypatch):
     monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
 
 
+@pytest.fixture
+def small_inner_chunks(monkeypatch):
+    """Inner chunks of at most 1 KiB (the format's limit is 8 MiB): several per shard, cheaply; leaves
+    over 1 KiB have their own array."""
+    from jaxckpt import _tensorstore, _zarr_meta
+
+    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 1024)
+    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 1024)
+
+
 # --- an S3-compatible server on loopback, for the s3:// tests ------------------------------------
 
 BUCKET = "jaxckpt-tests"

@@ -78,14 +78,6 @@ def _same_bits(a, b) -> None:
     assert a.tobytes() == b.tobytes()
 
 
-@pytest.fixture
-def small_inner_chunks(monkeypatch):
-    """Inner chunks of at most 1 KiB (the format's limit is 8 MiB): several per shard, cheaply; leaves
-    over 1 KiB have their own array."""
-    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 1024)
-    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 1024)
-
-
 def _saved(tmp_path: Path) -> tuple[Path, dict]:
     """A checkpoint of an own array 'w' (one shard of 4 inner chunks of 1 KiB), another own array 'v'
     and a packed leaf 'small'; and 200 one-byte leaves, packed 64 bytes apart, so that the data store
