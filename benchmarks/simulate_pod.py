@@ -84,7 +84,8 @@ def build(
             None,
             f"NamedSharding(mesh={{'x': {shape[0] // ROWS}}}, spec=('x',))",
         )
-    index = Index(flat.nodes, leaves, [], {"writer": "benchmarks/simulate_pod.py"}, meshes=[] if explicit else [mesh])
+    meta = {"writer": "benchmarks/simulate_pod.py"}
+    index = Index(flat.nodes, leaves, [], meta, meshes=[] if explicit else [mesh], save="51a1")
     folder.mkdir(parents=True, exist_ok=True)
     location = _storage.location(folder)
     for process in [me] if writers is None else writers:
@@ -101,6 +102,7 @@ def build(
             ]
             writer.add_array(leaf.at.path, shape, leaf.dtype, chunks, parts)
         writer.flush()
+        writer.finish("51a1")  # the data store's checksums, for the save the index names
     (folder / _format.INDEX_FILE).write_bytes(_index_json.encode_index(index))
     return index
 

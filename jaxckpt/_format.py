@@ -28,8 +28,13 @@ FORMAT_NAME = "jaxckpt"
 # Version 4: a data store is a plain folder of zarr3 arrays with the ``sharding_indexed`` codec, one
 # file per shard, every inner chunk with its CRC-32C (jaxckpt._zarr_local), instead of an OCDBT
 # database; an array's ``chunks`` are its shard shape. Packs are such arrays too.
-FORMAT_VERSION = 4
+# Version 5: every data store holds the CRC-32C of each inner chunk of its shards, in order, in
+# CHECKSUMS_FILE, which names the save that wrote it (the index's ``save``): a chunk or shard moved,
+# swapped or copied from another checkpoint with its own checksum is damage, not another place's
+# values (a chunk's own checksum proves its bytes intact, not where they belong).
+FORMAT_VERSION = 5
 INDEX_FILE = "index.json"
+CHECKSUMS_FILE = "checksums.json"  # in each data store, from version 5 (jaxckpt._checksums)
 DATA_DIR = "data"  # the data store of process 0 (an OCDBT database up to version 3)
 
 
@@ -233,6 +238,8 @@ class Index:
     # key of an empty checkpoint node -> key where that same Checkpoint object is stored (a graph, not
     # only a tree: an object reached by two paths, or around a cycle, is stored once)
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The id of the save that wrote it (version 5): every data store's CHECKSUMS_FILE names it.
+    save: str | None = None
 
     def keys_under(self, prefix: str) -> list[str]:
         """Leaf keys at or below ``prefix``, in graph order."""

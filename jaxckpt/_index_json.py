@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import math
 import re
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
+from jaxckpt._checked_json import check_checksum, checksummed_json
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointFormatError,
@@ -51,6 +51,7 @@ from jaxckpt._tree import NodeInfo, child_keys, describe, gc_paused, is_node_kin
 _STORE = re.compile(r"^data(\.p[1-9][0-9]{0,5})?$")
 _ARRAY_PATH = re.compile(r"^a/[0-9]{1,9}$")
 _PACK_PATH = re.compile(r"^p/[0-9]{1,9}$")
+SAVE_ID = re.compile(r"^[0-9a-f]{1,64}$")  # the id of a save (version 5)
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -93,10 +94,6 @@ def _leaf_to_json(leaf: Leaf, meshes: Mapping[int, int]) -> dict[str, Any]:
     return out
 
 
-def _canonical(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-
-
 @gc_paused
 def encode_index(index: Index) -> bytes:
     """The index file: compact canonical JSON with a crc32 of itself (without the checksum field)."""
@@ -123,9 +120,9 @@ def encode_index(index: Index) -> bytes:
         ]
     if index.aliases:
         body["aliases"] = dict(index.aliases)
-    canonical = _canonical(body)
-    # "checksum" sorts first, so the file is the canonical body with the checksum field put in front.
-    return b'{"checksum":"crc32:%08x",' % zlib.crc32(canonical) + canonical[1:] + b"\n"
+    if index.save is not None:
+        body["save"] = index.save
+    return checksummed_json(body)
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -176,16 +173,12 @@ def decode_index(data: bytes, where: str) -> Index:
         )
     if version < 1:
         raise _fail(where, f"unknown format version {version}")
-    checksum = body.pop("checksum", None)
-    if _written_as_checksummed(data, checksum):
-        expected = checksum
-    else:
-        expected = _recomputed_checksum(body, where)
-    if checksum != expected:
-        raise CheckpointCorruptedError(
-            f"The checkpoint index {where} fails its checksum (recorded {checksum!r}, computed {expected!r}); "
-            "the file was modified or damaged."
-        )
+    check_checksum(data, body, f"The checkpoint index {where}")
+    save = None
+    if version >= 5:
+        save = _get(body, "save", str, where)
+        if not SAVE_ID.match(save):
+            raise _fail(where, f"field 'save' is {save[:80]!r}, not 1 to 64 lowercase hexadecimal digits")
     nodes = _parse_nodes(_get(body, "nodes", dict, where), where)
     packs = [_parse_pack(p, version, f"{where} packs[{i}]") for i, p in enumerate(_get(body, "packs", list, where))]
     meshes = _parse_meshes(body, where) if version >= 3 else []
@@ -196,7 +189,8 @@ def decode_index(data: bytes, where: str) -> Index:
     metadata = body.get("metadata", {})
     if not isinstance(metadata, dict):
         raise _fail(where, "field 'metadata' is not an object")
-    return Index(nodes, leaves, packs, metadata, version, meshes, _parse_aliases(body.get("aliases"), nodes, where))
+    aliases = _parse_aliases(body.get("aliases"), nodes, where)
+    return Index(nodes, leaves, packs, metadata, version, meshes, aliases, save)
 
 
 class _LeafWhere:
@@ -209,31 +203,6 @@ class _LeafWhere:
 
     def __str__(self) -> str:
         return f"{self.where} leaf {describe(self.key)}"
-
-
-_CHECKSUM_HEAD = b'{"checksum":"crc32:'
-
-
-def _written_as_checksummed(data: bytes, checksum: Any) -> bool:
-    """Whether ``data`` is byte for byte what :func:`encode_index` writes for the recorded checksum:
-    the canonical body with the checksum put in front. Then the CRC-32 of those bytes is the check,
-    and the body need not be encoded again (a fifth of a 10,000-leaf restore's index work)."""
-    head = len(_CHECKSUM_HEAD)
-    if not (data.startswith(_CHECKSUM_HEAD) and data[head + 8 : head + 10] == b'",' and data.endswith(b"}\n")):
-        return False
-    if checksum != "crc32:" + data[head : head + 8].decode("ascii", "replace"):
-        return False
-    return f"{zlib.crc32(b'{' + data[head + 10 : -1]):08x}" == checksum[6:]
-
-
-def _recomputed_checksum(body: dict[str, Any], where: str) -> str:
-    """The checksum of ``body`` (without its checksum field) as canonical JSON."""
-    try:
-        return f"crc32:{zlib.crc32(_canonical(body)):08x}"
-    except (ValueError, RecursionError) as e:  # NaN, Infinity, 1e999, lone surrogates: never written by jaxckpt
-        raise CheckpointCorruptedError(
-            f"The checkpoint index {where} holds values that are not canonical JSON ({e})."
-        ) from e
 
 
 def _parse_aliases(raw: Any, nodes: Mapping[str, NodeInfo], where: str) -> dict[str, str]:

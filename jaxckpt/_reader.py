@@ -6,6 +6,7 @@ the other libraries' formats (:class:`ForeignOpened`, over :mod:`jaxckpt._format
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import os
 import zlib
@@ -18,13 +19,14 @@ import jax
 import numpy as np
 
 from jaxckpt import _format, _formats, _storage, _tensorstore
+from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
     MissingKeyError,
     UnsupportedValueError,
 )
-from jaxckpt._format import DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InForeign, InPack, Leaf
+from jaxckpt._format import CHECKSUMS_FILE, DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InForeign, InPack, Leaf
 from jaxckpt._in_flight import READ_AHEAD_BYTES, InFlight, Pending
 from jaxckpt._index_json import decode_index
 from jaxckpt._read_plan import (
@@ -272,8 +274,23 @@ class Opened:
 
     def _reader_of(self, store: str) -> _tensorstore.Reader:
         if store not in self._readers:
-            self._readers[store] = _tensorstore.Reader((self.location / store).spec(), version=self.index.version)
+            checksums = None if self.index.save is None else functools.partial(self._checksums_of, store)
+            spec = (self.location / store).spec()
+            self._readers[store] = _tensorstore.Reader(spec, version=self.index.version, checksums=checksums)
         return self._readers[store]
+
+    def _checksums_of(self, store: str) -> StoreChecksums:
+        """The checksums of data store ``store`` (format version 5), for the save that wrote the index."""
+        assert self.index.save is not None
+        folder = self.location / store
+        where = repr(str(folder / CHECKSUMS_FILE))
+        data = _storage.read_file(folder, CHECKSUMS_FILE, _storage.INDEX_READ_LIMIT)
+        if data is None:
+            raise CheckpointCorruptedError(
+                f"The checksums {where} are missing, so nothing vouches for the arrays in data store {store!r}: "
+                "files of the checkpoint were deleted, or it is being deleted now."
+            )
+        return StoreChecksums(data, where, self.index.save)
 
     @staticmethod
     def _plan_arrays(wanted: Mapping[str, tuple[ArrayLeaf, InArray, Any]]) -> dict[str, _ArrayRead]:
@@ -296,11 +313,10 @@ class Opened:
 
     def _read_arrays(self, wanted: Mapping[str, Any], reads: Mapping[str, _ArrayRead]) -> dict[str, Any]:
         # Open every array in every data store that holds a part this process reads, all at once.
-        requests: dict[str, dict[str, tuple[str, str, str, tuple[int, ...], tuple[int, ...] | None]]]
-        requests = defaultdict(dict)
+        requests: dict[str, dict[str, tuple[str, ArrayLeaf, InArray]]] = defaultdict(dict)
         for k, read in reads.items():
             for store in stores_in(read.regions.values()):
-                requests[store][k] = (k, read.at.path, read.at.stored, read.leaf.shape, read.at.chunks)
+                requests[store][k] = (k, read.leaf, read.at)
         stores = {store: self._reader_of(store).open_arrays(list(reqs.values())) for store, reqs in requests.items()}
         pending_of: dict[str, dict[RegionKey, Pending]] = {}
         in_flight = InFlight(READ_AHEAD_BYTES)
@@ -341,10 +357,7 @@ class Opened:
 
     def _open_for(self, key: str, leaf: ArrayLeaf, at: InArray, needed: Iterable[str]) -> dict[str, _StoreArrays]:
         """The array of ``key`` opened in each of the data stores ``needed``."""
-        return {
-            store: self._reader_of(store).open_arrays([(key, at.path, at.stored, leaf.shape, at.chunks)])
-            for store in needed
-        }
+        return {store: self._reader_of(store).open_arrays([(key, leaf, at)]) for store in needed}
 
     def read_pieces(self, key: str, budget: int) -> Iterator[np.ndarray]:
         """The stored data of the array leaf at ``key`` (PRNG keys as key data), in C-order pieces of

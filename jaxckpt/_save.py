@@ -361,8 +361,10 @@ def write_and_publish(p: Prepared) -> str:
         p.records.packer.hand_over(p.records.pack_writer, last=True)
         for writer in p.records.writers.values():
             writer.flush()
+            writer.finish(p.token)  # the checksums of its arrays, which the index's save names
         _multihost.barrier(f"{p.token}/written")  # every process's bytes are durable
         if primary:
+            p.index.save = p.token
             _staging.publish(p.staging, p.dest, encode_index(p.index), p.overwrite)
         _multihost.barrier(f"{p.token}/published")
     except BaseException:

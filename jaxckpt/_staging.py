@@ -57,7 +57,7 @@ _OWNER_FILE = ".jaxckpt-owner"  # in a staging folder: locked by the save that w
 # Object-store keys an interrupted save can leave: its marker, and its data stores' keys: zarr3
 # arrays and packs (format version 4), or OCDBT's files (versions 1 to 3).
 _LEFTOVER_KEY = re.compile(
-    rf"{re.escape(SAVE_MARKER)}|data(\.p[1-9][0-9]*)?/(manifest\.[^/]+|d/.+|[ap]/[0-9]+/(zarr\.json|c(/[0-9]+)*))"
+    rf"{re.escape(SAVE_MARKER)}|data(\.p[1-9][0-9]*)?/(manifest\.[^/]+|d/.+|checksums\.json|[ap]/[0-9]+/(zarr\.json|c(/[0-9]+)*))"
 )
 
 

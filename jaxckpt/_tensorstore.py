@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import errno
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _zarr_local, _zarr_meta, _zarr_write
+from jaxckpt import _checksums, _zarr_local, _zarr_meta, _zarr_write
 from jaxckpt._errors import CheckpointCorruptedError, JaxckptError, StorageError
+from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray
 from jaxckpt._in_flight import WRITE_AHEAD_BYTES, InFlight, Pending
 from jaxckpt._tree import describe
 
@@ -235,6 +236,19 @@ class Writer:
         self._local = _zarr_write.LocalWriter(folder) if folder is not None else None
         self._context = _context()
         self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]]]] = []
+        self._checksums: _checksums.Written = {}
+
+    @property
+    def checksums(self) -> _checksums.Written:
+        """The CRC-32C of every inner chunk of the arrays written so far."""
+        return self._local.checksums if self._local is not None else self._checksums
+
+    def finish(self, save: str) -> None:
+        """Write the data store's checksums (:mod:`jaxckpt._checksums`), once every array is flushed."""
+        if self._local is not None:
+            self._local.finish(save)
+        elif self._checksums:
+            kv_write(self._base, CHECKSUMS_FILE, _checksums.encode(save, self._checksums))
 
     def add_array(
         self,
@@ -251,9 +265,18 @@ class Writer:
             parts = [(index, data.view(stored)) for index, data in parts]
         if math.prod(shape) == 0:
             parts = []
+        as_stored = dtype if stored == dtype.name else np.dtype(stored)
         if self._local is not None:
-            self._local.add_array(path, shape, dtype if stored == dtype.name else np.dtype(stored), chunks, parts)
+            self._local.add_array(path, shape, as_stored, chunks, parts)
             return
+        # TensorStore checks each inner chunk by its own CRC-32C; the data store's checksums.json also
+        # lists them in order, computed here over the same bytes (the shards as TensorStore writes
+        # them, padding included).
+        inner = _zarr_meta.inner_chunk_shape(chunks, as_stored.itemsize)
+        self._checksums.setdefault(path, {})
+        for number, _, data in _zarr_write.shards_of(shape, as_stored, chunks, parts):
+            crcs = [_zarr_local.crc32c_of(view) for view in _zarr_write.inner_chunks(data, inner)]
+            self._checksums.setdefault(path, {})[number] = crcs
         self._planned.append((path, _sharded_metadata(shape, stored, chunks), list(parts)))
 
     def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
@@ -341,6 +364,21 @@ def _check_open(key: str, path: str, store: ts.TensorStore, shape: Sequence[int]
         )
 
 
+def _array_checksums(
+    load: Callable[[], _checksums.StoreChecksums], requests: list[tuple[str, ArrayLeaf, InArray]]
+) -> dict[str, Mapping[int, tuple[int, ...]]]:
+    """The data store's checksums of each requested array (``load`` reads them, when there is one)."""
+    crcs: dict[str, Mapping[int, tuple[int, ...]]] = {}
+    sums = None
+    for key, _, at in requests:
+        try:
+            sums = sums or load()
+            crcs[at.path] = sums.of_array(at.path)
+        except CheckpointCorruptedError as e:
+            raise CheckpointCorruptedError(f"Cannot read {_name(key, at.path)}: {e}") from e
+    return crcs
+
+
 class Reader:
     """Reads arrays and pack spans of one checkpoint's data store, many at a time.
 
@@ -350,8 +388,12 @@ class Reader:
     is damage.
     """
 
-    def __init__(self, base: dict[str, Any], *, version: int) -> None:
+    def __init__(
+        self, base: dict[str, Any], *, version: int, checksums: Callable[[], _checksums.StoreChecksums] | None = None
+    ) -> None:
+        """``checksums``: from version 5, reads the data store's checksums (asked for when an array is first opened)."""
         self._base = base
+        self._checksums = checksums
         self._context = _context()
         self._strict = version >= 2
         self._sharded = version >= 4
@@ -373,28 +415,27 @@ class Reader:
             return _sharded_metadata(shape, dtype, chunks)
         return _metadata(shape, dtype, chunks, checksum=True)
 
-    def open_arrays(
-        self, requests: Iterable[tuple[str, str, str, Sequence[int], Sequence[int] | None]]
-    ) -> dict[str, Any]:
-        """Opens each (key, path, stored dtype, shape, chunk shape or None), its zarr.json checked against them."""
+    def open_arrays(self, requests: Iterable[tuple[str, ArrayLeaf, InArray]]) -> dict[str, Any]:
+        """Opens the array of each (key, leaf, where the index says it is), its zarr.json checked against them."""
         requests = list(requests)
+        crcs = {} if self._checksums is None else _array_checksums(self._checksums, requests)
         if self._local is not None:
             local = self._local
             return {
-                key: local.open_array(key, path, dtype, shape, chunks or ())
-                for key, path, dtype, shape, chunks in requests
+                key: local.open_array(key, at.path, at.stored, leaf.shape, at.chunks or (), crcs.get(at.path))
+                for key, leaf, at in requests
             }
         futures = [
-            self._open(path, self._array_metadata(shape, dtype, chunks)) for _, path, dtype, shape, chunks in requests
+            self._open(at.path, self._array_metadata(leaf.shape, at.stored, at.chunks)) for _, leaf, at in requests
         ]
         stores = {}
-        for (key, path, dtype, shape, _), future in zip(requests, futures):
+        for (key, leaf, at), future in zip(requests, futures):
             try:
                 store = future.result()
             except Exception as e:
-                raise failure(_name(key, path), e) from e
-            _check_open(key, path, store, shape, dtype, padded=self._sharded)
-            stores[key] = store
+                raise failure(_name(key, at.path), e) from e
+            _check_open(key, at.path, store, leaf.shape, at.stored, padded=self._sharded)
+            stores[key] = _checksums.Bound(store, at, crcs[at.path]) if at.path in crcs else store
         return stores
 
     def read_regions(self, key: str, path: str, store: Any, regions: Sequence[tuple[slice, ...]]) -> list[Pending]:
@@ -402,6 +443,9 @@ class Reader:
         if self._local is not None:
             local = self._local
             return [local.read_region(store, region) for region in regions]
+        if isinstance(store, _checksums.Bound):  # each chunk read whole is checked against the checksums too
+            name = _name(key, path)
+            return [store.check(name, _read_into(key, path, store.store[region]), region) for region in regions]
         return [_read_into(key, path, store[region]) for region in regions]
 
     def read_pack_spans(

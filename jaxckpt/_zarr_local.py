@@ -25,7 +25,7 @@ import queue
 import stat
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -106,8 +106,13 @@ def io_pool() -> _Pool:
         return _POOL
 
 
+def crc32c_of(view: memoryview | bytes) -> int:
+    """The CRC-32C of a buffer, read in place (hardware instruction where the CPU has one)."""
+    return int(crc32c.crc32c(view))
+
+
 def crc_bytes(view: memoryview) -> bytes:
-    return struct.pack("<I", crc32c.crc32c(view))
+    return struct.pack("<I", crc32c_of(view))
 
 
 def view_at(array: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
@@ -160,6 +165,9 @@ class LocalArray(NamedTuple):
     shard: tuple[int, ...]
     chunk: tuple[int, ...]
     checksum: bool  # inner chunks end in a CRC-32C (not in packs)
+    # From format version 5, the data store's checksums of the array (jaxckpt._checksums): shard number
+    # in C order of the shard grid -> the CRC-32C of each inner chunk in C order; None before.
+    crcs: Mapping[int, tuple[int, ...]] | None = None
 
     def name(self) -> str:
         if self.key:
@@ -198,11 +206,14 @@ def _refused(array: LocalArray, error: OSError) -> JaxckptError:
 
 
 def _open_regular(array: LocalArray, file: str) -> int:
-    """A file descriptor of ``file``, which must be a regular file (a symlink to one is followed): a
-    FIFO or a device put in a checkpoint must neither block the open nor be read."""
+    """A file descriptor of ``file``, which must be a regular file, not a symbolic link: a FIFO or a
+    device put in a checkpoint must neither block the open nor be read, and a link would read files
+    outside the checkpoint."""
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as e:
+        if e.errno == errno.ELOOP:  # a symbolic link: what it names is outside what was saved
+            raise _damaged(array, f"{file} is not a regular file (a symbolic link)") from e
         raise _refused(array, e) from e
     try:
         mode = os.fstat(fd).st_mode
@@ -229,19 +240,55 @@ def _shard_index(array: LocalArray, fd: int, file: str, chunks: int, stored_byte
     offsets, sizes = entries[:, 0], entries[:, 1]
     if (offsets == _EMPTY).any():
         raise _damaged(array, f"chunks of {file} are missing")
-    if (sizes != stored_bytes).any() or (offsets > end - sizes).any():
+    # Compared so that nothing wraps around in uint64: the size first, then the offset against what it leaves.
+    if (sizes != stored_bytes).any() or stored_bytes > end or (offsets > end - stored_bytes).any():
         raise _damaged(array, f"the chunk index of {file} names chunks outside the file or of the wrong size")
+    starts = np.sort(offsets)
+    if (starts[1:] - starts[:-1] < stored_bytes).any():
+        raise _damaged(array, f"the chunk index of {file} names chunks that overlap")
     return entries
 
 
-def _read_chunk(fd: int, into: memoryview, offset: int, checksum: bool) -> bool:
-    """Read a chunk (and its checksum) into ``into``; whether it was all there and matches."""
+def _read_chunk(fd: int, into: memoryview, offset: int, checksum: bool) -> int | None:
+    """Read a chunk (and its checksum) into ``into``: its CRC-32C if it was all there and matches
+    the checksum stored after it (0 where chunks carry none), else None."""
     if not checksum:
-        return os.preadv(fd, [into], offset) == len(into)
+        return 0 if os.preadv(fd, [into], offset) == len(into) else None
     stored = bytearray(CRC)
     if os.preadv(fd, [into, stored], offset) != len(into) + CRC:
-        return False
-    return crc_bytes(into) == bytes(stored)
+        return None
+    crc = crc32c_of(into)
+    return crc if struct.pack("<I", crc) == stored else None
+
+
+def expected_crcs(crcs: Mapping[int, tuple[int, ...]], number: int, chunks: int) -> tuple[int, ...] | str:
+    """The CRC-32C of each inner chunk of shard ``number`` (of ``chunks`` chunks) that the data store's
+    checksums list, or what is wrong with them."""
+    found = crcs.get(number)
+    if found is None:
+        return f"the data store's checksums list no shard {number} of it"
+    if len(found) != chunks:
+        return f"the data store's checksums list {len(found)} inner chunks for shard {number} of it, not {chunks}"
+    return found
+
+
+def misplaced(where: str, crc: int, expected: int) -> str:
+    return (
+        f"{where} is intact but not the data the index records for that place (CRC-32C {crc:08x}, where the "
+        f"checksums of its data store record {expected:08x}): chunks or shard files were moved, swapped or copied "
+        "from another checkpoint"
+    )
+
+
+def _check_chunk(
+    array: LocalArray, file: str, piece: _Piece, expected: tuple[int, ...] | None, crc: int | None
+) -> None:
+    """A chunk read is intact (``crc``: what :func:`_read_chunk` gave) and is the one that belongs at
+    its place (``expected``: the CRC-32C of each chunk of its shard, from version 5)."""
+    if crc is None:
+        raise _damaged(array, f"chunk {piece.grid} of {file} fails its checksum")
+    if expected is not None and expected[piece.number] != crc:
+        raise _damaged(array, misplaced(f"chunk {piece.grid} of {file}", crc, expected[piece.number]))
 
 
 class _Piece(NamedTuple):
@@ -257,6 +304,7 @@ class _Piece(NamedTuple):
 class _PartPlan(NamedTuple):
     file: str  # the shard's file
     chunks: int  # inner chunks in the shard
+    number: int  # the shard's number in C order of the array's shard grid
     pieces: list[_Piece]
 
 
@@ -283,7 +331,10 @@ def _plan_part(
         source = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(want, start))
         number = int(np.ravel_multi_index(grid, per_shard)) if grid else 0
         pieces.append(_Piece(grid, number, target, source, direct))
-    return _PartPlan(os.path.join(array.folder, chunk_key(position)), math.prod(per_shard), pieces)
+    grid = [-(-n // s) for n, s in zip(array.shape, array.shard)]
+    number = int(np.ravel_multi_index(position, grid)) if position else 0
+    chunks = math.prod(per_shard)
+    return _PartPlan(os.path.join(array.folder, chunk_key(position)), chunks, number, pieces)
 
 
 class LocalReader:
@@ -297,13 +348,23 @@ class LocalReader:
         self._partial: dict[tuple[str, int], list[Any]] = {}
         self._queued: list[tuple[LocalArray, _PartPlan, Future[None]]] = []  # reads not handed over yet
 
-    def open_array(self, key: str, path: str, stored: str, shape: Sequence[int], shard: Sequence[int]) -> LocalArray:
-        """The array at ``path``, its ``zarr.json`` checked against what the index implies."""
+    def open_array(
+        self,
+        key: str,
+        path: str,
+        stored: str,
+        shape: Sequence[int],
+        shard: Sequence[int],
+        crcs: Mapping[int, tuple[int, ...]] | None = None,
+    ) -> LocalArray:
+        """The array at ``path``, its ``zarr.json`` checked against what the index implies (``crcs``:
+        its data store's checksums of it, see :attr:`LocalArray.crcs`)."""
         dtype = numpy_dtype(stored)
         chunk = inner_chunk_shape(shard, dtype.itemsize)
         folder = os.path.join(self._folder, path)
         expected = metadata(shape, stored, shard, dtype.itemsize)
-        return self._opened(LocalArray(key, path, folder, tuple(shape), dtype, tuple(shard), chunk, True), expected)
+        array = LocalArray(key, path, folder, tuple(shape), dtype, tuple(shard), chunk, True, crcs)
+        return self._opened(array, expected)
 
     def _opened(self, array: LocalArray, expected: dict[str, Any]) -> LocalArray:
         file = os.path.join(array.folder, "zarr.json")
@@ -361,6 +422,9 @@ class LocalReader:
         file, chunk = plan.file, array.chunk
         shared = {piece.number for piece in plan.pieces if not piece.direct}
         try:
+            expected = None if array.crcs is None else expected_crcs(array.crcs, plan.number, plan.chunks)
+            if isinstance(expected, str):
+                raise _damaged(array, expected)
             fd = _open_regular(array, file)
             try:
                 entries = _shard_index(
@@ -373,10 +437,10 @@ class LocalReader:
                 for piece in plan.pieces:
                     offset = int(entries[piece.number, 0])
                     if piece.direct:
-                        if not _read_chunk(fd, bytes_of(piece.target), offset, array.checksum):
-                            raise _damaged(array, f"chunk {piece.grid} of {file} fails its checksum")
+                        crc = _read_chunk(fd, bytes_of(piece.target), offset, array.checksum)
+                        _check_chunk(array, file, piece, expected, crc)
                         continue
-                    whole = self._shared_chunk(array, fd, plan.file, piece, offset)
+                    whole = self._shared_chunk(array, fd, plan.file, piece, offset, expected)
                     piece.target[...] = view_at(whole, piece.source)
                     self._release(plan.file, piece.number)
                     shared.discard(piece.number)
@@ -388,7 +452,9 @@ class LocalReader:
             for number in shared:  # not reached: this read failed first
                 self._release(plan.file, number)
 
-    def _shared_chunk(self, array: LocalArray, fd: int, file: str, piece: _Piece, offset: int) -> np.ndarray:
+    def _shared_chunk(
+        self, array: LocalArray, fd: int, file: str, piece: _Piece, offset: int, expected: tuple[int, ...] | None
+    ) -> np.ndarray:
         """A chunk that reads want part of, read and checked by the first of them; the others wait for
         it (the reader never waits while it reads, so no two reads wait for each other)."""
         with self._lock:
@@ -401,8 +467,7 @@ class LocalReader:
             return future.result()
         try:
             whole = np.empty(array.chunk, array.dtype)
-            if not _read_chunk(fd, bytes_of(whole), offset, array.checksum):
-                raise _damaged(array, f"chunk {piece.grid} of {file} fails its checksum")
+            _check_chunk(array, file, piece, expected, _read_chunk(fd, bytes_of(whole), offset, array.checksum))
         except BaseException as e:
             future.set_exception(e)
             raise

@@ -8,23 +8,54 @@ import ctypes
 import errno
 import json
 import os
+import struct
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+from jaxckpt import _checksums
 from jaxckpt._errors import StorageError
-from jaxckpt._zarr_local import CRC, bytes_of, crc_bytes, fsync_path, io_pool, shards_in, view_at
+from jaxckpt._format import CHECKSUMS_FILE
+from jaxckpt._zarr_local import CRC, bytes_of, crc32c_of, crc_bytes, fsync_path, io_pool, shards_in, view_at
 from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, pack_metadata, pack_shard
 
 _IOV_MAX = 512  # buffers per pwritev call (Linux allows 1024)
 
 
 class _Shard(NamedTuple):
+    array: str  # the array's path in the data store
+    number: int  # its place in the array's shard grid (C order)
     file: str  # its path
     data: np.ndarray  # C-contiguous, the shard's shape (padded where the array ends inside it)
     chunk: tuple[int, ...]  # inner chunk shape
+
+
+def inner_chunks(data: np.ndarray, chunk: Sequence[int]) -> list[memoryview]:
+    """The bytes of each inner chunk of a C-contiguous shard, in C order of its chunk grid, in place:
+    a shard is cut along its leading dimensions only, so every inner chunk is contiguous."""
+    grid = [n // c for n, c in zip(data.shape, chunk)]
+    return [
+        bytes_of(np.ascontiguousarray(view_at(data, tuple(slice(p * c, (p + 1) * c) for p, c in zip(position, chunk)))))
+        for position in np.ndindex(*grid)
+    ]
+
+
+def shards_of(
+    shape: Sequence[int], stored: np.dtype, shard: Sequence[int], parts: Sequence[tuple[tuple[slice, ...], np.ndarray]]
+) -> list[tuple[int, tuple[int, ...], np.ndarray]]:
+    """The shards in ``parts`` (each whole shards, at a region whose start is a multiple of the shard
+    shape): (number in the shard grid, position, C-contiguous data of the shard's full shape)."""
+    grid = [-(-n // s) for n, s in zip(shape, shard)]
+    out = []
+    for index, data in parts:
+        box = [s.indices(n)[:2] for s, n in zip(index, shape)]
+        for position, sub in shards_in(box, shard, shape):
+            piece = view_at(data, tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(sub, box)))
+            number = int(np.ravel_multi_index(position, grid)) if position else 0
+            out.append((number, position, _padded(piece.view(stored), sub, shard)))
+    return out
 
 
 def _libc_sync_file_range() -> Callable[[int], object] | None:
@@ -68,22 +99,20 @@ def _write_file(path: str, pieces: Iterable[memoryview | bytes]) -> None:
         os.close(fd)
 
 
-def _write_shard(shard: _Shard) -> None:
-    data = shard.data
-    rows = shard.chunk  # cut along leading dimensions only: every inner chunk is contiguous
-    grid = [n // c for n, c in zip(data.shape, rows)]
+def _write_shard(shard: _Shard) -> list[int]:
+    """Write a shard's file; the CRC-32C of each of its inner chunks, in order."""
     pieces: list[memoryview | bytes] = []
     entries: list[tuple[int, int]] = []
+    crcs = []
     offset = 0
-    for position in np.ndindex(*grid):
-        view = bytes_of(
-            np.ascontiguousarray(view_at(data, tuple(slice(p * c, (p + 1) * c) for p, c in zip(position, rows))))
-        )
-        pieces += [view, crc_bytes(view)]
+    for view in inner_chunks(shard.data, shard.chunk):
+        crcs.append(crc32c_of(view))
+        pieces += [view, struct.pack("<I", crcs[-1])]
         entries.append((offset, len(view) + CRC))
         offset += len(view) + CRC
     index = np.array(entries, "<u8").reshape(-1, 2).tobytes()
     _write_file(shard.file, [*pieces, index, crc_bytes(memoryview(index))])
+    return crcs
 
 
 def _padded(data: np.ndarray, box: Sequence[tuple[int, int]], shard: Sequence[int]) -> np.ndarray:
@@ -103,6 +132,7 @@ class LocalWriter:
         self._folder = folder
         self._files: list[tuple[str, list[memoryview | bytes]]] = []  # written as they are: path, pieces
         self._shards: list[_Shard] = []
+        self.checksums: _checksums.Written = {}  # of the arrays written so far
 
     def add_array(
         self,
@@ -118,12 +148,9 @@ class LocalWriter:
         meta = metadata(shape, stored.name, shard, stored.itemsize)
         self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
         chunk = inner_chunk_shape(shard, stored.itemsize)
-        for index, data in parts:
-            box = [s.indices(n)[:2] for s, n in zip(index, shape)]
-            for position, sub in shards_in(box, shard, shape):
-                piece = view_at(data, tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(sub, box)))
-                file = os.path.join(folder, chunk_key(position))
-                self._shards.append(_Shard(file, _padded(piece.view(stored), sub, shard), chunk))
+        self.checksums.setdefault(path, {})  # listed even with no shards here (or none at all)
+        for number, position, data in shards_of(shape, stored, shard, parts):
+            self._shards.append(_Shard(path, number, os.path.join(folder, chunk_key(position)), data, chunk))
 
     def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]], chunk: int) -> None:
         """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, uint8 data), in order and apart,
@@ -150,15 +177,18 @@ class LocalWriter:
         """Write everything recorded so far, durably; then forget it."""
         shards, self._shards = self._shards, []
         files, self._files = self._files, []
-        jobs: list[Callable[[], None]] = [lambda s=s: _write_shard(s) for s in shards]  # type: ignore[misc]
+        jobs: list[Callable[[], object]] = [lambda s=s: _write_shard(s) for s in shards]  # type: ignore[misc]
         jobs += [lambda f=f, b=b: _write_file(f, b) for f, b in files]  # type: ignore[misc]
         futures = [io_pool().submit(job) for job in jobs]
         errors = []
-        for future in futures:  # every write settles before the caller may remove the folder
+        for i, future in enumerate(futures):  # every write settles before the caller may remove the folder
             try:
-                future.result()
+                crcs = future.result()
             except OSError as e:
                 errors.append(e)
+                continue
+            if i < len(shards):
+                self.checksums.setdefault(shards[i].array, {})[shards[i].number] = crcs
         if not errors:  # then durably, all at once
             written = [s.file for s in shards] + [f for f, _ in files]
             futures = [io_pool().submit(fsync_path, f) for f in written]
@@ -170,3 +200,15 @@ class LocalWriter:
         if errors:
             first = errors[0]
             raise StorageError(f"Cannot write the checkpoint's data: {first}", first.errno or errno.EIO) from first
+
+    def finish(self, save: str) -> None:
+        """Write, durably, the data store's checksums (see :mod:`jaxckpt._checksums`), once every array is
+        flushed; none where it holds no array (only packs, or nothing)."""
+        if not self.checksums:
+            return
+        file = os.path.join(self._folder, CHECKSUMS_FILE)
+        try:
+            _write_file(file, [_checksums.encode(save, self.checksums)])
+            fsync_path(file)
+        except OSError as e:
+            raise StorageError(f"Cannot write the checkpoint's data: {e}", e.errno or errno.EIO) from e

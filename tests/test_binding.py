@@ -3,8 +3,9 @@
 Every inner chunk of format 4 carries its own CRC-32C, which proves its bytes intact but not where
 they belong: two chunks swapped with their checksums, shard files swapped between two arrays of one
 shape, or a shard copied from an older checkpoint would read as other values. From format version 5
-the index records the CRC-32C of every inner chunk of every array in position order, so each of
-these is damage that restores and ``verify`` report, naming the value.
+each data store lists the CRC-32C of every inner chunk of its shards in position order, for the save
+that its index names (``jaxckpt._checksums``), so each of these is damage that restores and
+``verify`` report, naming the value.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from test_zarr_local import _CRC, _ENTRY, _entries, _folder, _index, _refused, _
 
 import jaxckpt
 from jaxckpt import _verify, _zarr_local
-from jaxckpt._index_json import _canonical
+from jaxckpt._checked_json import canonical_json
 from jaxckpt._reader import Opened
 
 
@@ -106,27 +107,75 @@ def test_a_shard_file_that_is_a_symlink_is_refused(tmp_path, small_inner_chunks)
     _refused(path, tree, "w", "not a regular file")
 
 
-def test_the_index_records_a_checksum_per_inner_chunk_in_order(tmp_path, small_inner_chunks):
+def test_each_data_store_records_a_checksum_per_inner_chunk_in_order_for_the_save(tmp_path, small_inner_chunks):
     path, tree = _saved(tmp_path)
     at = _index(path)["leaves"]["w"]["at"]
     values = np.ascontiguousarray(tree["w"])
     rows = len(values) // 4
     expected = [_zarr_local.crc32c_of(memoryview(values[i * rows : (i + 1) * rows]).cast("B")) for i in range(4)]
-    assert at["crc32c"] == expected
-    assert _index(path)["version"] >= 5
+    sums = json.loads((path / "data" / "checksums.json").read_bytes())
+    assert sums["arrays"][at["array"]] == {"0": expected}
+    assert sums["save"] == _index(path)["save"] and _index(path)["version"] >= 5
 
 
-def test_an_index_without_the_chunk_checksums_is_refused_from_version_5(tmp_path, small_inner_chunks):
-    """Deleting the checksums from the index must not switch the check off."""
-    path, _ = _saved(tmp_path)
+def _rewrite_index(path: Path, edit) -> None:
     body = _index(path)
-    del body["leaves"]["w"]["at"]["crc32c"]
     del body["checksum"]
+    edit(body)
     (path / "index.json").write_bytes(
-        json.dumps({"checksum": f"crc32:{zlib.crc32(_canonical(body)):08x}", **body}).encode()
+        json.dumps({"checksum": f"crc32:{zlib.crc32(canonical_json(body)):08x}", **body}).encode()
     )
-    with pytest.raises(jaxckpt.CheckpointFormatError, match=r"'w'.*crc32c"):
+
+
+def test_an_index_without_its_save_id_is_refused_from_version_5(tmp_path, small_inner_chunks):
+    """Deleting what names the checksums must not switch the check off."""
+    path, _ = _saved(tmp_path)
+    _rewrite_index(path, lambda body: body.pop("save"))
+    with pytest.raises(jaxckpt.CheckpointFormatError, match=r"missing field 'save'"):
         jaxckpt.restore(path)
+
+
+def test_missing_checksums_are_damage(tmp_path, small_inner_chunks):
+    path, tree = _saved(tmp_path)
+    (path / "data" / "checksums.json").unlink()
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"checksums.json.* missing"):
+        jaxckpt.load_variable(path, "w")
+    np.testing.assert_array_equal(jaxckpt.load_variable(path, "small"), tree["small"])  # packed: the index checks it
+    assert sorted(k for k, _ in _verify.verify(str(path)).damaged) == ["v", "w"]
+
+
+def test_a_data_store_copied_whole_from_another_checkpoint_is_refused(tmp_path, small_inner_chunks):
+    """Shards and checksums both from an older save of the same tree: the save ids differ."""
+    old = Path(jaxckpt.save(tmp_path / "old", {"w": np.zeros((32, 32), np.float32)}))
+    new = Path(jaxckpt.save(tmp_path / "new", {"w": np.ones((32, 32), np.float32)}))
+    shutil.rmtree(new / "data")
+    shutil.copytree(old / "data", new / "data")
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"written by save .*, not by save"):
+        jaxckpt.restore(new)
+    assert [k for k, _ in _verify.verify(str(new)).damaged] == ["w"]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda body: body["arrays"]["a/0"].pop("0"),
+        lambda body: body["arrays"]["a/0"]["0"].pop(),
+        lambda body: body["arrays"]["a/0"].update({"0": "x"}),
+        lambda body: body["arrays"].update({"a/0": [1]}),
+    ],
+    ids=["shard missing", "chunk missing", "not a list", "not an object"],
+)
+def test_crafted_checksums_are_damage(tmp_path, small_inner_chunks, edit):
+    path, tree = _saved(tmp_path)
+    file = path / "data" / "checksums.json"
+    body = json.loads(file.read_bytes())
+    del body["checksum"]
+    assert _index(path)["leaves"]["w"]["at"]["array"] == "a/0"
+    edit(body)
+    file.write_bytes(json.dumps({"checksum": f"crc32:{zlib.crc32(canonical_json(body)):08x}", **body}).encode())
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*checksums|checksums.*damaged"):
+        jaxckpt.load_variable(path, "w")
+    np.testing.assert_array_equal(jaxckpt.load_variable(path, "v"), tree["v"])
 
 
 @pytest.mark.parametrize("offset", [2**63, 2**64 - 2**10])
@@ -140,3 +189,31 @@ def test_a_shard_index_offset_past_2_to_the_63_in_a_short_file_is_damage(tmp_pat
     _write_entries(shard, entries)
     _refused(path, tree, "w", "outside the file")
     assert os.path.getsize(shard) == 4 * _ENTRY + _CRC
+
+
+def test_shards_swapped_in_a_bucket_are_refused(s3, small_inner_chunks):
+    """Read through TensorStore (which checks each chunk's own checksum alone), the chunks a read
+    covers whole are checked against the data store's checksums too."""
+    from jaxckpt import _storage, _tensorstore
+
+    rng = np.random.default_rng(4)
+    tree = {k: rng.standard_normal((32, 32)).astype(np.float32) for k in ("a", "b")}
+    path = f"{s3}/swapped"
+    jaxckpt.save(path, tree)
+    for key, value in tree.items():  # intact: read back
+        np.testing.assert_array_equal(jaxckpt.load_variable(path, key), value)
+    data = _storage.location(path) / "data"
+    arrays = {k: _index_of_bucket(path)["leaves"][k]["at"]["array"] for k in tree}
+    sa, sb = (_tensorstore.kv_read(data.spec(), f"{arrays[k]}/c/0/0") for k in ("a", "b"))
+    _tensorstore.kv_write(data.spec(), f"{arrays['a']}/c/0/0", sb)
+    _tensorstore.kv_write(data.spec(), f"{arrays['b']}/c/0/0", sa)
+    for key in tree:
+        with pytest.raises(jaxckpt.CheckpointCorruptedError, match=rf"'{key}'.*not the data the index records"):
+            jaxckpt.load_variable(path, key)
+    assert sorted(k for k, _ in _verify.verify(path).damaged) == ["a", "b"]
+
+
+def _index_of_bucket(path: str) -> dict:
+    from jaxckpt import _storage
+
+    return json.loads(_storage.read_index_bytes(_storage.location(path)))

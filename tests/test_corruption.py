@@ -145,9 +145,10 @@ def run_damage(tmp_path: Path, pristine: tuple[Path, dict[str, Any]], flips: int
 
 
 def kind_of(name: str) -> str:
-    """index.json, zarr.json, or the shard file of a pack (``data/p/<n>/c/...``) or an array (``data/a/...``)."""
+    """index.json, zarr.json, a data store's checksums.json, or the shard file of a pack
+    (``data/p/<n>/c/...``) or an array (``data/a/...``)."""
     parts = name.split("/")
-    if name == "index.json" or parts[-1] == "zarr.json":
+    if name == "index.json" or parts[-1] == "zarr.json" or name == "data/checksums.json":
         return parts[-1]
     assert parts[0] == "data" and parts[1] in ("a", "p") and parts[3] == "c", name
     return "pack shard" if parts[1] == "p" else "array shard"

@@ -42,9 +42,9 @@ def test_every_golden_version_is_still_readable():
         assert dict(jaxckpt.list_variables(folder))["big"] == (600, 600)
 
 
-@pytest.mark.parametrize("version", [3, 4])
+@pytest.mark.parametrize("version", [3, 4, 5])
 def test_the_golden_save_of_four_processes_is_still_readable(version):
-    """tests/golden/pod-v3 and pod-v4: what 4 processes of 2 devices each wrote, sharded over a (2, 4)
+    """tests/golden/pod-v3, pod-v4 and pod-v5: what 4 processes of 2 devices each wrote, sharded over a (2, 4)
     mesh whose positions hold devices 3, 1, 0, 2, 7, 5, 4, 6 (device d of process d // 2)."""
     folder = GOLDEN / f"pod-v{version}"
     _assert_same(jaxckpt.restore(folder), pod_tree())
@@ -77,16 +77,16 @@ def test_ten_thousand_leaves_make_a_handful_of_files(tmp_path):
     path = jaxckpt.save(tmp_path / "c", tree)
     files = _files(path)
     index = json.loads((Path(path) / "index.json").read_text())
-    # Format version 4: index.json, and per zarr3 array (each pack, each array of its own) its
-    # zarr.json and one file per shard; none of these arrays needs a second shard.
+    # Format version 5: index.json, the data store's checksums.json, and per zarr3 array (each pack,
+    # each array of its own) its zarr.json and one file per shard; none of these arrays needs a second shard.
     assert len(index["packs"]) == 1
     assert {tree_key for tree_key, leaf in index["leaves"].items() if leaf["at"].get("pack") == 0} == {
         f"layer{i}/w" for i in range(9_990)
     }
     own = [leaf["at"]["array"] for leaf in index["leaves"].values() if "array" in leaf["at"]]
     assert len(own) == 10
-    assert len(files) == 1 + 2 * len(index["packs"]) + 2 * len(own), files
-    assert "index.json" in files
+    assert len(files) == 2 + 2 * len(index["packs"]) + 2 * len(own), files
+    assert "index.json" in files and "data/checksums.json" in files
     for folder in [pack["path"] for pack in index["packs"]] + own:
         assert f"data/{folder}/zarr.json" in files
         assert [f for f in files if f.startswith(f"data/{folder}/c/")], (folder, files)

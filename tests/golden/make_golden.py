@@ -2,7 +2,7 @@
 
 Run once per format version (`.venv/bin/python tests/golden/make_golden.py`) and commit the folder;
 never regenerate an existing version. `make_golden.py pod` writes tests/golden/pod-v<FORMAT_VERSION>
-(pod-v3, pod-v4): what a save by 4 processes of 2 devices each writes (sharding layouts over a
+(pod-v3, pod-v4, pod-v5): what a save by 4 processes of 2 devices each writes (sharding layouts over a
 device table, and one array with its regions listed), made without processes from jaxckpt's own
 records.
 """
@@ -54,6 +54,7 @@ def pod_tree():
 
 
 def write_pod_golden(out):
+    import jaxckpt
     from jaxckpt import _format, _index_json, _storage, _tensorstore
     from jaxckpt._format import ArrayLeaf, InArray, Index, Layout, MeshRecord
     from jaxckpt._tree import flatten
@@ -89,6 +90,10 @@ def write_pod_golden(out):
             ]
             writer.add_array(leaf.at.path, leaf.shape, leaf.dtype, leaf.at.chunks, parts)
         writer.flush()
+        if jaxckpt.FORMAT_VERSION >= 5:
+            writer.finish("5a7e")
+    if jaxckpt.FORMAT_VERSION >= 5:
+        index.save = "5a7e"
     (out / _format.INDEX_FILE).write_bytes(_index_json.encode_index(index))
 
 

@@ -1,0 +1,163 @@
+"""What binds the bytes of a data store to their places (format version 5): ``checksums.json``.
+
+Each inner chunk of an array is stored with its CRC-32C, which proves the bytes intact but not that
+they belong where they are: two chunks swapped with their checksums, shard files swapped between two
+arrays of one shape, or a shard copied from an older checkpoint would read as other values. So each
+data store also holds, in ``checksums.json``, the CRC-32C of every inner chunk of every shard it
+holds, in order, and the id of the save that wrote it, which the checkpoint's index names too. A
+reader compares each chunk it reads with the entry for its place.
+
+The file is written by the process that writes the data store (no process gathers another's
+checksums), so the index does not grow with the number of processes or shards, and a restoring
+process reads the checksums of the data stores it reads from only. It is canonical JSON with a
+checksum of its own, as the index::
+
+    {"checksum": "crc32:<8 hex>", "format": "jaxckpt-checksums", "save": "<the index's save>",
+     "arrays": {"a/<n>": {"<shard>": [<CRC-32C of each inner chunk>, ...], ...}, ...}}
+
+where ``<shard>`` is the shard's number in C order of the array's shard grid (``ceil(shape /
+chunks)`` shards along each dimension) and the CRC-32C values follow C order of the shard's inner
+chunk grid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxckpt._checked_json import check_checksum, checksummed_json
+from jaxckpt._errors import CheckpointCorruptedError
+from jaxckpt._in_flight import Pending
+from jaxckpt._zarr_local import bytes_of, crc32c_of, expected_crcs, misplaced, shards_in, view_at
+from jaxckpt._zarr_meta import inner_chunk_shape
+
+FORMAT = "jaxckpt-checksums"
+_ARRAY = re.compile(r"^a/[0-9]{1,9}$")
+_SHARD = re.compile(r"^(0|[1-9][0-9]{0,17})$")
+
+# By array path, then by shard number: the CRC-32C of each inner chunk of the shard, in order.
+Written = dict[str, dict[int, list[int]]]
+
+
+def encode(save: str, arrays: Mapping[str, Mapping[int, list[int]]]) -> bytes:
+    """The ``checksums.json`` of a data store written by save ``save``."""
+    body = {
+        "format": FORMAT,
+        "save": save,
+        "arrays": {path: {str(n): crcs for n, crcs in sorted(shards.items())} for path, shards in arrays.items()},
+    }
+    return checksummed_json(body)
+
+
+class StoreChecksums:
+    """The parsed ``checksums.json`` of one data store; each array's entry is checked when first asked for."""
+
+    def __init__(self, data: bytes, where: str, save: str) -> None:
+        self._where = where
+        try:
+            body = json.loads(data.decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise self._damaged(f"it is not valid JSON ({e})") from e
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            raise self._damaged(f'it has no "format": "{FORMAT}" field')
+        check_checksum(data, body, where)
+        if body.get("save") != save:
+            raise self._damaged(
+                f"it was written by save {str(body.get('save'))[:80]!r}, not by save {save!r} that wrote the index: "
+                "the data store (or its checksums) was copied from another checkpoint"
+            )
+        arrays = body.get("arrays")
+        if not isinstance(arrays, dict):
+            raise self._damaged("its field 'arrays' is not an object")
+        self._raw: dict[str, Any] = arrays
+        self._parsed: dict[str, dict[int, tuple[int, ...]]] = {}
+
+    def _damaged(self, what: str) -> CheckpointCorruptedError:
+        return CheckpointCorruptedError(f"The checksums {self._where} are damaged: {what}.")
+
+    def of_array(self, path: str) -> dict[int, tuple[int, ...]]:
+        """Shard number -> the CRC-32C of each of its inner chunks, for the array at ``path`` (empty if
+        this data store holds none of its shards)."""
+        if path not in self._parsed:
+            raw = self._raw.get(path, {})
+            ok = _ARRAY.match(path) and isinstance(raw, dict)
+            ok = ok and all(
+                _SHARD.match(n) and isinstance(v, list) and all(type(c) is int and 0 <= c < 1 << 32 for c in v)
+                for n, v in raw.items()
+            )
+            if not ok:
+                raise self._damaged(f"its entry for {path!r} is not an object of shard numbers to lists of CRC-32C")
+            self._parsed[path] = {int(n): tuple(v) for n, v in raw.items()}
+        return self._parsed[path]
+
+
+def misplaced_chunk(
+    data: np.ndarray,
+    box: Sequence[tuple[int, int]],
+    shape: Sequence[int],
+    shard: Sequence[int],
+    crcs: Mapping[int, tuple[int, ...]],
+) -> str | None:
+    """For data read by another reader (TensorStore, which checks each chunk by its own checksum):
+    ``data`` holds region ``box`` of an array of ``shape``; what is wrong with the first of the inner
+    chunks that lie wholly inside it (as far as they lie inside the array) whose CRC-32C, over its
+    bytes as stored (padded with zeros past the array's end), is not the one ``crcs`` (the data
+    store's checksums) list for its place; None if none. Chunks read only in part are not checked."""
+    chunk = inner_chunk_shape(shard, data.dtype.itemsize)
+    per_shard = [s // c for s, c in zip(shard, chunk)]
+    grid = [-(-n // s) for n, s in zip(shape, shard)]
+    for position, _ in shards_in(box, shard, shape):
+        expected = expected_crcs(
+            crcs, int(np.ravel_multi_index(position, grid)) if position else 0, math.prod(per_shard)
+        )
+        if isinstance(expected, str):
+            return expected
+        for number, inner in enumerate(np.ndindex(*per_shard)):
+            start = [p * s + i * c for p, s, i, c in zip(position, shard, inner, chunk)]
+            valid = [(lo, min(lo + c, n)) for lo, c, n in zip(start, chunk, shape)]
+            if any(lo >= hi for lo, hi in valid) or any(lo < a or hi > b for (lo, hi), (a, b) in zip(valid, box)):
+                continue
+            view = view_at(data, tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(valid, box)))
+            if view.shape != chunk:
+                padded = np.zeros(chunk, data.dtype)
+                padded[tuple(slice(0, n) for n in view.shape)] = view
+                view = padded
+            crc = crc32c_of(bytes_of(np.ascontiguousarray(view)))
+            if crc != expected[number]:
+                return misplaced(f"its inner chunk at {tuple(start)}", crc, expected[number])
+    return None
+
+
+class Bound(NamedTuple):
+    """An array of format version 5 opened by another reader (TensorStore, for buckets), which checks
+    each inner chunk by its own CRC-32C, with its data store's checksums of its shards."""
+
+    store: Any  # the reader's array
+    at: Any  # its InArray record
+    crcs: Mapping[int, tuple[int, ...]]
+
+    def check(self, name: str, read: Pending, region: tuple[slice, ...]) -> _CheckedRead:
+        """``read`` (of ``region``), whose chunks that lie wholly inside the region are checked against
+        the checksums for their places once it is done."""
+        return _CheckedRead(self, name, read, region)
+
+
+class _CheckedRead(NamedTuple):
+    bound: Bound
+    name: str  # of the value, for messages
+    read: Pending
+    region: tuple[slice, ...]
+
+    def result(self) -> np.ndarray:
+        data = self.read.result()
+        shape = tuple(self.bound.store.shape)
+        box = [s.indices(n)[:2] for s, n in zip(self.region, shape)]
+        wrong = misplaced_chunk(data, box, shape, self.bound.at.chunks or (), self.bound.crcs)
+        if wrong is not None:
+            raise CheckpointCorruptedError(f"Cannot read {self.name}: {wrong}. The checkpoint's files are damaged.")
+        return data
