@@ -102,7 +102,12 @@ def delete_dropped(
 
 
 def _remove_tree(path: _storage.Location) -> None:
-    if path.local is not None:
+    if _storage.is_symlink(path):
+        # Another run's checkpoint linked here (adopted, then dropped): the link goes, in one step;
+        # what it points to is never this directory's to delete.
+        assert path.local is not None
+        path.local.unlink()
+    elif path.local is not None:
         # Renamed out of the way first, atomically: a crash midway through rmtree leaves a hidden
         # leftover that the next manager removes, never a half-deleted folder under the checkpoint's
         # name (which, with its index still there, would look complete and be adopted).

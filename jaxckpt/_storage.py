@@ -241,10 +241,29 @@ def temp_file_pattern(name: str) -> re.Pattern[str]:
 
 
 def delete_tree(folder: Location) -> None:
+    """Remove ``folder`` and what it holds, best effort; a symlink is removed alone, never what it points to."""
     if folder.local is not None:
-        shutil.rmtree(folder.local, ignore_errors=True)
+        remove_local(folder.local)
     else:
         _tensorstore.kv_delete_all(folder.spec())
+
+
+def remove_local(path: Path) -> None:
+    """Remove the local folder ``path`` (best effort). A symlink there (a checkpoint of another run linked
+    into a manager's directory) is unlinked: what it points to is not this folder's to delete. rmtree
+    itself never follows the symlinks inside."""
+    if os.path.islink(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def is_symlink(folder: Location) -> bool:
+    """Whether the local ``folder`` is a symlink (a manager never writes, marks or deletes through one)."""
+    return folder.local is not None and os.path.islink(folder.local)
 
 
 def total_bytes(folder: Location) -> int | None:
