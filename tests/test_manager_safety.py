@@ -8,6 +8,7 @@ import concurrent.futures
 import errno
 import json
 import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -385,3 +386,25 @@ def test_a_mark_symlinked_out_of_a_dropped_checkpoint_is_never_written_through(t
         manager.save()  # retention marks ckpt-1, then deletes it
     assert outside.read_text() == "mine"
     assert not first.exists()
+
+
+def _nest(folder: Path, levels: int) -> None:
+    for _ in range(levels):  # os.makedirs recurses once per level
+        folder.mkdir()
+        folder = folder / "d"
+
+
+def test_a_checkpoint_holding_a_folder_1100_levels_deep_is_deleted_without_recursion_error(tmp_path):
+    directory = tmp_path / "run"
+    try:
+        with jaxckpt.CheckpointManager(make_ckpt(), directory, max_to_keep=1, async_save=False) as manager:
+            first = Path(manager.save())
+            _nest(first / "data" / "x", 1100)
+            manager.save()  # retention deletes ckpt-1: shutil.rmtree recursed once per level
+        (directory / "ckpt-7").mkdir()  # a leftover without an index: removed at start
+        _nest(directory / "ckpt-7" / "x", 1100)
+        with jaxckpt.CheckpointManager(make_ckpt(), directory, max_to_keep=1, async_save=False) as manager:
+            assert names(manager.checkpoints) == ["ckpt-2"]
+        assert sorted(n for n in os.listdir(directory) if "ckpt" in n) == ["ckpt-2"]
+    finally:  # pytest's own clean-up of old temporary folders uses a recursive rmtree too
+        subprocess.run(["rm", "-rf", str(directory)], check=False)
