@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import shutil
 import warnings
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -119,4 +118,4 @@ def _remove_tree(path: _storage.Location) -> None:
 
 
 def _delete_renamed(hidden: Path) -> None:
-    shutil.rmtree(hidden)  # raises, unlike the best-effort clean-ups: a failure is reported
+    _storage.rmtree(hidden)  # raises, unlike the best-effort clean-ups: a failure is reported

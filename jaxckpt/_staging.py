@@ -27,7 +27,6 @@ import fcntl
 import hashlib
 import os
 import re
-import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -180,7 +179,7 @@ def _remove_stale_staging(path: Path) -> None:
             os.close(fd)
             continue
         try:
-            shutil.rmtree(folder, ignore_errors=True)
+            _storage.remove_local(folder)
         finally:
             os.close(fd)
 

@@ -376,3 +376,16 @@ def test_real_files_back_their_sizes(tmp_path):
     apparent = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     assert _storage.total_bytes(_storage.location(path)) == apparent
     assert jaxckpt.restore(path)["x"].tolist() == TREE["x"].tolist()
+
+
+def test_removing_a_folder_never_follows_a_symlink_inside(tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "f").write_text("mine")
+    folder = tmp_path / "c"
+    (folder / "a" / "b").mkdir(parents=True)
+    (folder / "a" / "b" / "x").write_text("x")
+    (folder / "a" / "link").symlink_to(outside, target_is_directory=True)
+    (folder / "a" / "b" / "file-link").symlink_to(outside / "sub" / "f")
+    _storage.rmtree(folder)
+    assert not folder.exists() and (outside / "sub" / "f").read_text() == "mine"
