@@ -235,12 +235,15 @@ class Opened:
         for store, claimed in claims.items():
             held = self._stored_bytes.get(store)
             if held is None:
-                held = self._stored_bytes[store] = _storage.total_bytes(self.location / store) or 0
+                # Bytes the file system holds, not apparent sizes: a sparse file's holes back no claim.
+                usage = _storage.usage(self.location / store)
+                held = self._stored_bytes[store] = usage.held if usage is not None else 0
             if claimed > held:
                 raise CheckpointCorruptedError(
                     f"The checkpoint {str(self.path)!r} claims {claimed:,} bytes of values in its data store "
                     f"{store!r} (the largest {describe(largest[store][1])}), but that store holds only {held:,} bytes: "
                     "its data is missing or truncated, or its index was crafted. Nothing was read."
+                    + _short_because(self.location / store, claimed)
                 )
 
     def _read_packed(self, pack: int, leaves: Mapping[str, tuple[ArrayLeaf, InPack]]) -> dict[str, np.ndarray]:
@@ -430,3 +433,20 @@ class ForeignOpened(Opened):
         data = self.checkpoint.read(key)  # foreign formats are read whole; then handed on in pieces
         for index in c_order_pieces(leaf.shape, leaf.dtype.itemsize, budget):
             yield data[index]
+
+
+def _short_because(store: _storage.Location, claimed: int) -> str:
+    """Why a data store holds fewer bytes than claimed, where it is not plain missing data."""
+    if _storage.is_symlink(store):
+        return (
+            f" ({store.name!r} is a symlink, which jaxckpt does not follow inside a checkpoint: copy what it "
+            "points to into the checkpoint.)"
+        )
+    usage = _storage.usage(store)
+    if usage is not None and usage.apparent >= claimed:
+        return (
+            f" (Its files are sparse: their sizes add up to {usage.apparent:,} bytes, but the file system holds "
+            f"only {usage.held:,} of them; the holes read as zeros. A copy made with holes (cp --sparse=always, "
+            "rsync -S) of a genuine checkpoint can be copied again without them: cp -r --sparse=never.)"
+        )
+    return ""

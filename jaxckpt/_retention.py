@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import shutil
 import warnings
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -102,7 +101,12 @@ def delete_dropped(
 
 
 def _remove_tree(path: _storage.Location) -> None:
-    if path.local is not None:
+    if _storage.is_symlink(path):
+        # Another run's checkpoint linked here (adopted, then dropped): the link goes, in one step;
+        # what it points to is never this directory's to delete.
+        assert path.local is not None
+        path.local.unlink()
+    elif path.local is not None:
         # Renamed out of the way first, atomically: a crash midway through rmtree leaves a hidden
         # leftover that the next manager removes, never a half-deleted folder under the checkpoint's
         # name (which, with its index still there, would look complete and be adopted).
@@ -114,4 +118,4 @@ def _remove_tree(path: _storage.Location) -> None:
 
 
 def _delete_renamed(hidden: Path) -> None:
-    shutil.rmtree(hidden)  # raises, unlike the best-effort clean-ups: a failure is reported
+    _storage.rmtree(hidden)  # raises, unlike the best-effort clean-ups: a failure is reported

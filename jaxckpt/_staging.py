@@ -27,7 +27,6 @@ import fcntl
 import hashlib
 import os
 import re
-import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -168,6 +167,8 @@ def _remove_stale_staging(path: Path) -> None:
         return
     for name in names:
         folder = path.parent / name
+        if folder.is_symlink():  # jaxckpt makes real folders there: a link's target is not its to delete
+            continue
         try:
             fd = os.open(folder / _OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
@@ -178,7 +179,7 @@ def _remove_stale_staging(path: Path) -> None:
             os.close(fd)
             continue
         try:
-            shutil.rmtree(folder, ignore_errors=True)
+            _storage.remove_local(folder)
         finally:
             os.close(fd)
 
@@ -279,7 +280,7 @@ def _publish_local(staged: Path, dest: Path, path: Location, index: bytes, overw
         check_writable(path, overwrite)  # the destination may have appeared while we wrote
         if _exchange(staged, dest):
             _storage.fsync_dir(dest.parent)
-            shutil.rmtree(staged, ignore_errors=True)  # now holds the old checkpoint
+            _storage.remove_local(staged)  # now holds the old checkpoint (a symlink: the link alone)
             return
         old = dest.parent / f"{_staging_stem(dest.name, REPLACED_MARK)}{uuid.uuid4().hex[:12]}"
         os.rename(dest, old)
@@ -293,7 +294,7 @@ def _publish_local(staged: Path, dest: Path, path: Location, index: bytes, overw
         raise CheckpointExistsError(f"Cannot move the new checkpoint into {str(dest)!r}: {e}") from e
     _storage.fsync_dir(dest.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _storage.remove_local(old)
 
 
 def discard(staging: Location) -> None:

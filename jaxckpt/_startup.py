@@ -6,7 +6,8 @@ an older jaxckpt, ``Checkpoint.write``, a copy) it adopts into the state file, a
 managers leave alone what they did not record. What a crash can leave behind (staging folders
 ``.ckpt-N.partial-<token>``, temp state files ``.checkpoint.tmp-<token>``, unlisted ``ckpt-N``
 folders that are incomplete or marked, renamed ones being deleted) it removes; names that only
-look alike are never touched.
+look alike are never touched. A checkpoint symlinked here (another run's) is handled as the link
+alone: adopted and read through it, but never marked, and removing it removes the link.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _unlisted_checkpoints(
         checkpoint = folder / name
         if not _storage.is_checkpoint(checkpoint):
             continue  # incomplete: remove_leftovers removes it
-        if checkpoint.local is not None and (checkpoint.local / _statefile.UNRECORDED).exists():
+        if _statefile.is_marked(checkpoint):
             continue  # an interrupted save of a manager or of Checkpoint.save: garbage
         when = options.clock()
         if checkpoint.local is not None:

@@ -164,14 +164,39 @@ def write_state(
 
 
 def mark_unrecorded(staging: _storage.Location) -> None:
-    """Mark a save's staging folder (local only) as not yet listed: see :data:`UNRECORDED`."""
-    if staging.local is not None and staging.local.is_dir():
-        _storage.write_durable(staging.local / UNRECORDED, b"")
+    """Mark a save's staging folder (local only) as not yet listed: see :data:`UNRECORDED`.
+
+    Nothing is written through a symlink: a symlinked folder (another run's checkpoint linked into
+    this directory) is not marked, since the mark would land in the other run's directory, whose
+    manager would then delete that checkpoint as garbage; a symlink named like the mark is replaced,
+    never written through (it could point at any file).
+    """
+    if staging.local is None or _storage.is_symlink(staging) or not staging.local.is_dir():
+        return
+    mark = staging.local / UNRECORDED
+    if is_marked(staging):
+        if not mark.is_symlink():
+            return  # marked already: only the name counts
+        mark.unlink()  # the link alone
+    # O_EXCL creates a new file, and fails rather than follow a symlink that appeared meanwhile.
+    fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_marked(checkpoint: _storage.Location) -> bool:
+    """Whether the local ``checkpoint`` holds the mark :data:`UNRECORDED` (any entry of that name, a
+    symlink included, whatever it points to)."""
+    return checkpoint.local is not None and os.path.lexists(checkpoint.local / UNRECORDED)
 
 
 def clear_unrecorded(checkpoint: _storage.Location) -> None:
-    """The state file lists ``checkpoint`` now: drop its mark (a mark that survives a crash is harmless)."""
-    if checkpoint.local is not None:
+    """The state file lists ``checkpoint`` now: drop its mark (a mark that survives a crash is harmless).
+
+    Never through a symlinked folder: a mark there is another run's."""
+    if checkpoint.local is not None and not _storage.is_symlink(checkpoint):
         (checkpoint.local / UNRECORDED).unlink(missing_ok=True)
 
 

@@ -8,6 +8,7 @@ import concurrent.futures
 import errno
 import json
 import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -319,3 +320,91 @@ def test_a_state_file_that_is_not_a_file_is_refused_clearly(tmp_path, kind):
     with pytest.raises(jaxckpt.CheckpointFormatError, match="not a regular file"):
         jaxckpt.CheckpointManager(make_ckpt(), tmp_path)
     assert not (tmp_path / "checkpoint.lock").exists()
+
+
+# --- round three, item 1: a checkpoint symlinked from another run ------------------------------------
+
+
+def _tree_of(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative name -> bytes): what a run outside must find unchanged."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("how", ["listed", "written"])
+def test_a_checkpoint_symlinked_from_another_run_is_never_marked_or_deleted(tmp_path, how):
+    other, mine = tmp_path / "other", tmp_path / "mine"
+    target = other / "ckpt-3"
+    if how == "listed":  # the other run's manager lists it in its state file
+        with jaxckpt.CheckpointManager(make_ckpt(3, 3.0), other, async_save=False) as theirs:
+            theirs.save(checkpoint_number=3)
+    else:  # Checkpoint.write: a checkpoint that a manager opened on the other run adopts
+        other.mkdir()
+        make_ckpt(3, 3.0).write(str(target))
+    before = _tree_of(other)
+    mine.mkdir()
+    (mine / "ckpt-3").symlink_to(target, target_is_directory=True)
+    with jaxckpt.CheckpointManager(make_ckpt(), mine, max_to_keep=1, async_save=False) as manager:
+        manager.save()
+        manager.save()  # retention drops ckpt-3: the link, never what it points to
+    with jaxckpt.CheckpointManager(make_ckpt(), mine, max_to_keep=1, async_save=False) as manager:
+        manager.save()  # a restart: adoption and the removal of leftovers see the directory again
+    assert not (target / ".jaxckpt-unrecorded").exists()
+    assert _tree_of(other) == before
+    assert not os.path.lexists(mine / "ckpt-3")
+    assert not [p for p in os.listdir(mine) if p.startswith(".ckpt-3")]  # no hidden leftover link either
+    with jaxckpt.CheckpointManager(make_ckpt(), other, async_save=False) as theirs:
+        assert names(theirs.checkpoints) == ["ckpt-3"]
+        theirs.save(checkpoint_number=4)
+        assert names(theirs.checkpoints) == ["ckpt-3", "ckpt-4"]
+    restored = make_ckpt()
+    restored.restore(str(target)).assert_consumed()
+    assert restored.step == 3
+
+
+def test_a_symlinked_checkpoint_whose_target_is_marked_is_not_deleted_through_the_link(tmp_path):
+    other, mine = tmp_path / "other", tmp_path / "mine"
+    other.mkdir()
+    target = other / "ckpt-3"
+    make_ckpt(3, 3.0).write(str(target))
+    (target / ".jaxckpt-unrecorded").write_bytes(b"")  # the other run's save, not yet listed there
+    before = _tree_of(other)
+    mine.mkdir()
+    (mine / "ckpt-3").symlink_to(target, target_is_directory=True)
+    (mine / "ckpt-9").symlink_to(tmp_path / "gone", target_is_directory=True)  # dangling
+    with jaxckpt.CheckpointManager(make_ckpt(), mine, max_to_keep=1, async_save=False) as manager:
+        manager.save()
+    assert _tree_of(other) == before
+    assert not os.path.lexists(mine / "ckpt-3") and not os.path.lexists(mine / "ckpt-9")
+
+
+def test_a_mark_symlinked_out_of_a_dropped_checkpoint_is_never_written_through(tmp_path):
+    outside = tmp_path / "notes.txt"
+    outside.write_text("mine")
+    with jaxckpt.CheckpointManager(make_ckpt(), tmp_path / "run", max_to_keep=1, async_save=False) as manager:
+        first = Path(manager.save())
+        (first / ".jaxckpt-unrecorded").symlink_to(outside)  # a crafted checkpoint's file
+        manager.save()  # retention marks ckpt-1, then deletes it
+    assert outside.read_text() == "mine"
+    assert not first.exists()
+
+
+def _nest(folder: Path, levels: int) -> None:
+    for _ in range(levels):  # os.makedirs recurses once per level
+        folder.mkdir()
+        folder = folder / "d"
+
+
+def test_a_checkpoint_holding_a_folder_1100_levels_deep_is_deleted_without_recursion_error(tmp_path):
+    directory = tmp_path / "run"
+    try:
+        with jaxckpt.CheckpointManager(make_ckpt(), directory, max_to_keep=1, async_save=False) as manager:
+            first = Path(manager.save())
+            _nest(first / "data" / "x", 1100)
+            manager.save()  # retention deletes ckpt-1: shutil.rmtree recursed once per level
+        (directory / "ckpt-7").mkdir()  # a leftover without an index: removed at start
+        _nest(directory / "ckpt-7" / "x", 1100)
+        with jaxckpt.CheckpointManager(make_ckpt(), directory, max_to_keep=1, async_save=False) as manager:
+            assert names(manager.checkpoints) == ["ckpt-2"]
+        assert sorted(n for n in os.listdir(directory) if "ckpt" in n) == ["ckpt-2"]
+    finally:  # pytest's own clean-up of old temporary folders uses a recursive rmtree too
+        subprocess.run(["rm", "-rf", str(directory)], check=False)

@@ -241,3 +241,151 @@ def test_deferred_restore_of_a_deleted_checkpoint_fails_clearly_and_keeps_the_va
     restored = jaxckpt.restore(again)
     np.testing.assert_array_equal(restored["b"], assigned)  # ...and the next save includes it
     assert restored["d"] == 4
+
+
+# --- round three, item 7: deep and symlinked folders inside a checkpoint ----------------------------
+
+
+def _remove_deep(top: Path) -> None:
+    """Remove a folder nested deeper than shutil.rmtree recurses, innermost first."""
+    chain = [top]
+    while True:
+        inner = [p for p in chain[-1].iterdir() if p.is_dir() and not p.is_symlink()]
+        if not inner:
+            break
+        chain.append(inner[0])
+    for folder in reversed(chain):
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+
+
+def test_a_folder_nested_1100_levels_deep_is_no_recursion_error(tmp_path, capsys):
+    from jaxckpt import _cli
+
+    directory = tmp_path / "run"
+    with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(**TREE), directory, async_save=False) as manager:
+        path = Path(manager.save())
+    deep = path / "data" / "x"
+    folder = deep
+    for _ in range(1100):  # 1,100 levels: os.walk recursed once per level (and so does os.makedirs)
+        folder.mkdir()
+        folder = folder / "d"
+    try:
+        with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"/data'.*levels deep"):
+            jaxckpt.restore(path)
+        for argv in (["verify", str(path)], ["ls", str(directory)]):
+            _cli.main(argv)
+            out = capsys.readouterr()
+            assert "RecursionError" not in out.out + out.err and "Traceback" not in out.err, (argv, out)
+    finally:
+        _remove_deep(deep)
+
+
+def test_a_symlinked_data_store_is_neither_walked_nor_counted(tmp_path, monkeypatch):
+    path = Path(jaxckpt.save(tmp_path / "c", TREE))
+    outside = tmp_path / "outside"
+    os.rename(path / "data", outside)  # the real data elsewhere, linked back in
+    (outside / "more").mkdir()
+    (outside / "more" / "big.bin").write_bytes(b"\0" * 100_000)
+    (path / "data").symlink_to(outside, target_is_directory=True)
+    scanned: list[str] = []
+    real_scandir = os.scandir
+
+    def scandir(p="."):
+        scanned.append(os.fspath(p))
+        return real_scandir(p)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    for folder in (_storage.location(path), _storage.location(path) / "data"):
+        held = _storage.total_bytes(folder)
+        assert held is None or held == (path / "index.json").stat().st_size, folder
+    assert not [p for p in scanned if str(outside) in os.path.realpath(p)], scanned
+    monkeypatch.undo()
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="symlink"):
+        jaxckpt.restore(path)
+
+
+def test_a_symlinked_file_in_a_data_store_is_not_counted(tmp_path):
+    path = Path(jaxckpt.save(tmp_path / "c", TREE))
+    before = _storage.total_bytes(_storage.location(path) / "data")
+    outside = tmp_path / "big.bin"
+    outside.write_bytes(b"\1" * 100_000)
+    (path / "data" / "extra").symlink_to(outside)
+    assert _storage.total_bytes(_storage.location(path) / "data") == before
+
+
+# --- round three, item 9: a size claim backed by a sparse file ------------------------------------
+
+
+_RESTORE_UNDER_LIMIT = """
+import os, resource, sys
+import jaxckpt
+with open("/proc/self/statm") as f:
+    used = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), resource.RLIM_INFINITY))
+try:
+    jaxckpt.restore(sys.argv[1])
+except jaxckpt.CheckpointCorruptedError as e:
+    print("REFUSED:", e)
+    sys.exit(0)
+except MemoryError as e:
+    print("ALLOCATED:", e)
+    sys.exit(3)
+print("RESTORED")
+sys.exit(4)
+"""
+
+
+def test_a_huge_claim_backed_by_a_sparse_file_allocates_nothing(tmp_path, monkeypatch):
+    import json
+    import zlib
+
+    from jaxckpt import _tensorstore, _zarr_meta
+
+    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 0)  # an array of its own, in data/a/0
+    path = Path(jaxckpt.save(tmp_path / "c", {"w": np.ones(1000, np.float32)}))
+    body = json.loads((path / "index.json").read_text())
+    claimed = 1 << 34  # float32: 64 GiB
+    body["leaves"]["w"]["shape"] = [claimed]
+    body["leaves"]["w"]["at"]["chunks"] = [claimed]
+    body.pop("checksum")
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    index = b'{"checksum":"crc32:%08x",' % zlib.crc32(canonical) + canonical[1:] + b"\n"
+    (path / "index.json").write_bytes(index)
+    meta = _zarr_meta.metadata([claimed], "float32", [claimed], 4)
+    (path / "data" / "a" / "0" / "zarr.json").write_text(json.dumps(meta))
+    shard = path / "data" / "a" / "0" / "c" / "0"
+    os.truncate(shard, 4 * claimed + 4096)  # 64 GiB that the file system does not hold: a hole
+    if shard.stat().st_blocks * 512 >= 4 * claimed:
+        pytest.skip("this file system does not make sparse files")
+    run = subprocess.run(
+        [sys.executable, "-c", _RESTORE_UNDER_LIMIT, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(jaxckpt.__file__).parent.parent,
+        env={**os.environ, "PYTHONPATH": str(Path(jaxckpt.__file__).parent.parent)},
+    )
+    assert run.returncode == 0 and "REFUSED" in run.stdout, run.stdout + run.stderr
+    assert "68,719,476,736 bytes" in run.stdout and "sparse" in run.stdout, run.stdout
+
+
+def test_real_files_back_their_sizes(tmp_path):
+    path = Path(jaxckpt.save(tmp_path / "c", TREE))
+    apparent = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    assert _storage.total_bytes(_storage.location(path)) == apparent
+    assert jaxckpt.restore(path)["x"].tolist() == TREE["x"].tolist()
+
+
+def test_removing_a_folder_never_follows_a_symlink_inside(tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "f").write_text("mine")
+    folder = tmp_path / "c"
+    (folder / "a" / "b").mkdir(parents=True)
+    (folder / "a" / "b" / "x").write_text("x")
+    (folder / "a" / "link").symlink_to(outside, target_is_directory=True)
+    (folder / "a" / "b" / "file-link").symlink_to(outside / "sub" / "f")
+    _storage.rmtree(folder)
+    assert not folder.exists() and (outside / "sub" / "f").read_text() == "mine"
