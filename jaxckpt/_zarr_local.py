@@ -25,6 +25,7 @@ import queue
 import stat
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple
@@ -149,6 +150,36 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+class PinnedFolder:
+    """A local folder held open (``fd``), so that the files a reader opens under its path ``path`` are
+    this folder's even after another folder is renamed to that path: an overwriting save swaps in a
+    whole new checkpoint, and a reader must not mix the two. Closed once nothing refers to it (reads
+    still in flight hold it through their arrays), so its number is never reused under them."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._prefix = path.rstrip("/") + "/"
+        # O_PATH (Linux): like opening files by their paths, it takes no read permission on the folder.
+        self.fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC)
+        weakref.finalize(self, os.close, self.fd)
+
+    def replaced(self) -> bool:
+        """Whether its path no longer names this folder (deleted, or another renamed there)."""
+        try:
+            now, pinned = os.stat(self.path), os.fstat(self.fd)
+        except OSError:
+            return True
+        return (now.st_dev, now.st_ino) != (pinned.st_dev, pinned.st_ino)
+
+    def open(self, file: str, flags: int) -> int:
+        """Open ``file``, a path built from :attr:`path`, in this folder (whatever is at its path now)."""
+        relative = file[len(self._prefix) :] if file.startswith(self._prefix) else os.path.relpath(file, self.path)
+        try:
+            return os.open(relative, flags, dir_fd=self.fd)
+        except OSError as e:  # named as the caller named it, not by its path relative to the folder
+            raise OSError(e.errno, e.strerror, file) from None
+
+
 class LocalArray(NamedTuple):
     """An array of a data store, opened: where its files are and what the index says it is."""
 
@@ -160,6 +191,7 @@ class LocalArray(NamedTuple):
     shard: tuple[int, ...]
     chunk: tuple[int, ...]
     checksum: bool  # inner chunks end in a CRC-32C (not in packs)
+    pinned: PinnedFolder | None = None  # the checkpoint's folder, its files opened in it
 
     def name(self) -> str:
         if self.key:
@@ -200,8 +232,9 @@ def _refused(array: LocalArray, error: OSError) -> JaxckptError:
 def _open_regular(array: LocalArray, file: str) -> int:
     """A file descriptor of ``file``, which must be a regular file (a symlink to one is followed): a
     FIFO or a device put in a checkpoint must neither block the open nor be read."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(file, flags) if array.pinned is None else array.pinned.open(file, flags)
     except OSError as e:
         raise _refused(array, e) from e
     try:
@@ -289,8 +322,9 @@ def _plan_part(
 class LocalReader:
     """Reads arrays and packs of one data store in a local folder, many at a time, on I/O threads."""
 
-    def __init__(self, folder: str) -> None:
-        self._folder = folder
+    def __init__(self, folder: str, pinned: PinnedFolder | None = None) -> None:
+        self._folder = folder  # with ``pinned``: a path under its path, opened in it
+        self._pinned = pinned
         self._lock = threading.Lock()
         # (shard file, chunk number) -> [reads that want part of it and have not had it, its Future
         # once one of them reads it]
@@ -303,7 +337,8 @@ class LocalReader:
         chunk = inner_chunk_shape(shard, dtype.itemsize)
         folder = os.path.join(self._folder, path)
         expected = metadata(shape, stored, shard, dtype.itemsize)
-        return self._opened(LocalArray(key, path, folder, tuple(shape), dtype, tuple(shard), chunk, True), expected)
+        array = LocalArray(key, path, folder, tuple(shape), dtype, tuple(shard), chunk, True, self._pinned)
+        return self._opened(array, expected)
 
     def _opened(self, array: LocalArray, expected: dict[str, Any]) -> LocalArray:
         file = os.path.join(array.folder, "zarr.json")
@@ -422,6 +457,7 @@ class LocalReader:
         folder = os.path.join(self._folder, path)
         uint8 = np.dtype("uint8")
         array = self._opened(
-            LocalArray("", path, folder, (nbytes,), uint8, (shard,), (chunk,), False), pack_metadata(nbytes, chunk)
+            LocalArray("", path, folder, (nbytes,), uint8, (shard,), (chunk,), False, self._pinned),
+            pack_metadata(nbytes, chunk),
         )
         return [self.read_region(array, (slice(a, b),)) for a, b in spans]

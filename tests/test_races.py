@@ -10,6 +10,8 @@ raise a jaxckpt error (the checkpoint is gone, or its files were deleted under i
 from __future__ import annotations
 
 import collections
+import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _staging, _zarr_local, _zarr_meta
+from jaxckpt import _staging, _storage, _zarr_local, _zarr_meta
 
 WRITER = textwrap.dedent(
     """
@@ -141,6 +143,26 @@ def test_restore_overwritten_mid_read_reads_the_folder_it_opened(tmp_path, monke
     assert removals  # the old folder was swapped out, to be removed
 
 
+def test_the_size_check_measures_the_folder_it_reads(tmp_path, monkeypatch):
+    """Before reading, the data store's size is checked against the index: in the folder held open,
+    not in a smaller checkpoint renamed to the path since (a false 'truncated', then 'replaced')."""
+    path = tmp_path / "ckpt"
+    jaxckpt.save(path, _tree(1))
+    monkeypatch.setattr(_staging.shutil, "rmtree", lambda *args, **kwargs: None)  # the old folder stays
+    original = _storage.total_bytes
+    done = []
+
+    def total_bytes(*args, **kwargs):
+        if not done:
+            done.append(True)
+            jaxckpt.save(path, {"step": 2}, overwrite=True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_storage, "total_bytes", total_bytes)
+    assert _saved_by(jaxckpt.restore(path)) == 1
+    assert done
+
+
 def test_restores_racing_overwrites_are_each_one_save(tmp_path):
     path = tmp_path / "ckpt"
     jaxckpt.save(path, _tree(0))
@@ -158,7 +180,7 @@ def test_restores_racing_overwrites_are_each_one_save(tmp_path):
     outcomes: collections.Counter = collections.Counter()
     writer.start()
     try:
-        while writer.is_alive():
+        while writer.is_alive() and sum(outcomes.values()) < 1000:
             try:
                 _saved_by(jaxckpt.restore(path))
             except jaxckpt.CheckpointNotFoundError:  # deleted or replaced under it, and said so
@@ -170,3 +192,35 @@ def test_restores_racing_overwrites_are_each_one_save(tmp_path):
     assert not failed, failed
     assert _saved_by(jaxckpt.restore(path)) == saves
     print(f"\nrace: restores while overwrites swap the folder: {dict(outcomes)}, 0 mixed")
+
+
+def test_a_folder_swapped_out_before_its_index_is_read_opens_the_new_one(tmp_path, monkeypatch):
+    """Opened just before an overwriting save swaps the folder out and deletes it, the folder held
+    open has no index left: the checkpoint now at the path is opened instead, and read whole."""
+    path = tmp_path / "ckpt"
+    jaxckpt.save(path, _tree(1))
+    original = _storage.read_index_bytes
+    done = []
+
+    def read_index_bytes(*args, **kwargs):
+        if not done:
+            done.append(True)
+            jaxckpt.save(path, _tree(2), overwrite=True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_storage, "read_index_bytes", read_index_bytes)
+    assert _saved_by(jaxckpt.restore(path)) == 2
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc/self/fd")
+def test_restores_leave_no_folder_open(tmp_path):
+    path = tmp_path / "ckpt"
+    jaxckpt.save(path, _tree(1))
+    jaxckpt.restore(path)  # the I/O threads and anything else opened once
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        jaxckpt.restore(path)
+        jaxckpt.list_variables(path)
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before
