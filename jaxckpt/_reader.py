@@ -5,6 +5,7 @@ the other libraries' formats (:class:`ForeignOpened`, over :mod:`jaxckpt._format
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
@@ -12,18 +13,20 @@ import os
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import crc32c
 import jax
 import numpy as np
 
-from jaxckpt import _format, _formats, _storage, _tensorstore
+from jaxckpt import _format, _formats, _storage, _tensorstore, _zarr_local
 from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
     MissingKeyError,
+    NotACheckpointError,
     UnsupportedValueError,
 )
 from jaxckpt._format import CHECKSUMS_FILE, DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InForeign, InPack, Leaf
@@ -76,14 +79,34 @@ class Opened:
     # Values listed that have no numpy form (TensorFlow's iterator state, string tensors): key -> entry
     skipped: Mapping[str, _formats.Entry] = {}
     path: PathLike  # how messages name it
+    # A local checkpoint's folder, held open from its index on: every file is read from that folder,
+    # never from one that an overwriting save renamed to its path since (the index of one save with the
+    # arrays of the next). Closed with the last reference to it (see PinnedFolder).
+    _pinned: _zarr_local.PinnedFolder | None = None
 
     def __init__(self, path: PathLike) -> None:
         self.location = _storage.location(path)
         self.path = self.location.local or self.location.text
         where = repr(str(self.location / INDEX_FILE))
-        self.index: Index = decode_index(_storage.read_index_bytes(self.location), where)
+        self._pinned, raw = self._pin_and_read_index()
+        self.index: Index = decode_index(raw, where)
         self._readers: dict[str, _tensorstore.Reader] = {}
         self._stored_bytes: dict[str, int] = {}  # per data store, for _check_backed
+
+    def _pin_and_read_index(self) -> tuple[_zarr_local.PinnedFolder | None, bytes]:
+        """The folder held open, and its index. Opened just as an overwriting save swapped it out, the
+        old folder may have lost its index already: then the new one at the path is opened instead."""
+        for _ in range(2):
+            pinned = _storage.pin_folder(self.location)
+            try:
+                return pinned, _storage.read_index_bytes(self.location, pinned)
+            except NotACheckpointError:
+                if pinned is None or not pinned.replaced():
+                    raise
+        raise CheckpointNotFoundError(
+            f"The checkpoint {str(self.path)!r} was replaced twice while it was being opened (saved over with "
+            "overwrite=True); nothing was read. Open it again once the saves are done."
+        )
 
     def leaf(self, key: str) -> Leaf:
         try:
@@ -158,8 +181,28 @@ class Opened:
         return {key: out[key] for key in wanted}
 
     def exists(self) -> bool:
-        """Whether the checkpoint is still there (a failed read may mean it was deleted meanwhile)."""
-        return _storage.is_checkpoint(self.location)
+        """Whether the checkpoint is still there (a failed read may mean it was deleted meanwhile), and
+        is still the one read: not replaced by another save (``overwrite=True``)."""
+        return _storage.is_checkpoint(self.location) and (self._pinned is None or not self._pinned.replaced())
+
+    @contextlib.contextmanager
+    def _unless_gone(self) -> Iterator[None]:
+        """Damage reported inside, as CheckpointNotFoundError if the checkpoint is not damaged but gone:
+        deleted (a manager's retention?), or replaced by another save while it was read."""
+        try:
+            yield
+        except CheckpointCorruptedError as e:
+            if self.exists():
+                raise
+            if not _storage.is_checkpoint(self.location):
+                raise CheckpointNotFoundError(
+                    f"The checkpoint {str(self.path)!r} was deleted while it was being read: {e}"
+                ) from e
+            raise CheckpointNotFoundError(
+                f"The checkpoint {str(self.path)!r} was replaced by another save (overwrite=True) while it was being "
+                f"read, and the files of the one read were deleted: {e} No value of either was returned; read it "
+                "again for the new one."
+            ) from e
 
     def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         """The data of the array leaves among ``wanted``: host numpy, or jax.Arrays already placed
@@ -175,7 +218,7 @@ class Opened:
                 else:
                     arrays[key] = (leaf, at)
         data: dict[str, Any] = {}
-        try:
+        with self._unless_gone():
             reads = self._plan_arrays({k: (*arrays[k], wanted[k]) for k in arrays})
             needed = stores_in(plan for read in reads.values() for plan in read.regions.values())
             plans = {k: list(read.regions.values()) for k, read in reads.items()}
@@ -183,12 +226,6 @@ class Opened:
             for pack, leaves in packed.items():
                 data.update(self._read_packed(pack, leaves))
             data.update(self._read_arrays({k: wanted[k] for k in arrays}, reads))
-        except CheckpointCorruptedError as e:
-            if not self.exists():  # not damaged: gone (a manager's retention?)
-                raise CheckpointNotFoundError(
-                    f"The checkpoint {str(self.path)!r} was deleted while it was being read: {e}"
-                ) from e
-            raise
         return data
 
     @property
@@ -236,7 +273,7 @@ class Opened:
             held = self._stored_bytes.get(store)
             if held is None:
                 # Bytes the file system holds, not apparent sizes: a sparse file's holes back no claim.
-                usage = _storage.usage(self.location / store)
+                usage = _storage.usage(self._store_folder(store))
                 held = self._stored_bytes[store] = usage.held if usage is not None else 0
             if claimed > held:
                 raise CheckpointCorruptedError(
@@ -275,19 +312,30 @@ class Opened:
             out[k] = raw.view(leaf.dtype).reshape(leaf.shape)
         return out
 
+    def _store_folder(self, store: str) -> _storage.Location:
+        """The folder of data store ``store`` as measured: in the pinned folder, through /proc/self/fd where
+        there is one (Linux), so that a folder renamed to the path since is not measured instead."""
+        pinned = self._pinned
+        if pinned is not None and os.path.isdir(f"/proc/self/fd/{pinned.fd}"):
+            return _storage.Location(str(self.location / store), local=Path(f"/proc/self/fd/{pinned.fd}", store))
+        return self.location / store
+
     def _reader_of(self, store: str) -> _tensorstore.Reader:
         if store not in self._readers:
             checksums = None if self.index.save is None else functools.partial(self._checksums_of, store)
+            pinned = None if self._pinned is None else (self._pinned, store)
             spec = (self.location / store).spec()
-            self._readers[store] = _tensorstore.Reader(spec, version=self.index.version, checksums=checksums)
+            self._readers[store] = _tensorstore.Reader(
+                spec, version=self.index.version, pinned=pinned, checksums=checksums
+            )
         return self._readers[store]
 
     def _checksums_of(self, store: str) -> StoreChecksums:
         """The checksums of data store ``store`` (format version 5), for the save that wrote the index."""
         assert self.index.save is not None
-        folder = self.location / store
-        where = repr(str(folder / CHECKSUMS_FILE))
-        data = _storage.read_file(folder, CHECKSUMS_FILE, _storage.INDEX_READ_LIMIT)
+        name = f"{store}/{CHECKSUMS_FILE}"
+        where = repr(str(self.location / name))
+        data = _storage.read_file(self.location, name, _storage.INDEX_READ_LIMIT, pinned=self._pinned)
         if data is None:
             raise CheckpointCorruptedError(
                 f"The checksums {where} are missing, so nothing vouches for the arrays in data store {store!r}: "
@@ -350,12 +398,13 @@ class Opened:
         for key, regions in wanted.items():
             leaf, at = self._own_array(key)
             plans[key] = (leaf, at, [plan_region(at, leaf.shape, index) for index in regions])
-        self._check_backed(list(wanted), stores_in(p for _, _, ps in plans.values() for p in ps))
         out = {}
-        for key, (leaf, at, regions_plans) in plans.items():
-            stores = self._open_for(key, leaf, at, stores_in(regions_plans))
-            pending = [self._start_read(key, at, stores, plan) for plan in regions_plans]
-            out[key] = [self._as_logical(leaf, p.result()) for p in pending]
+        with self._unless_gone():
+            self._check_backed(list(wanted), stores_in(p for _, _, ps in plans.values() for p in ps))
+            for key, (leaf, at, regions_plans) in plans.items():
+                stores = self._open_for(key, leaf, at, stores_in(regions_plans))
+                pending = [self._start_read(key, at, stores, plan) for plan in regions_plans]
+                out[key] = [self._as_logical(leaf, p.result()) for p in pending]
         return out
 
     def _open_for(self, key: str, leaf: ArrayLeaf, at: InArray, needed: Iterable[str]) -> dict[str, _StoreArrays]:
@@ -371,11 +420,12 @@ class Opened:
             value = self.load({key: NO_TEMPLATE})[key]
             yield np.asarray(jax.random.key_data(value) if leaf.prng_impl else value)
             return
-        self._check_backed([key], set(_format.stores_of(at)))
-        stores = self._open_for(key, leaf, at, _format.stores_of(at))
-        for index in c_order_pieces(leaf.shape, leaf.dtype.itemsize, budget):
-            plan = plan_region(at, leaf.shape, index)
-            yield self._as_logical(leaf, self._start_read(key, at, stores, plan).result())
+        with self._unless_gone():
+            self._check_backed([key], set(_format.stores_of(at)))
+            stores = self._open_for(key, leaf, at, _format.stores_of(at))
+            for index in c_order_pieces(leaf.shape, leaf.dtype.itemsize, budget):
+                plan = plan_region(at, leaf.shape, index)
+                yield self._as_logical(leaf, self._start_read(key, at, stores, plan).result())
 
     def _start_read(self, key: str, at: InArray, stores: Mapping[str, _StoreArrays], plan: RegionPlan) -> Pending:
         """Start reading a region of the array from its parts (see :func:`plan_region`): from one

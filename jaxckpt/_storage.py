@@ -151,8 +151,11 @@ def location(path: str | os.PathLike[str] | Location) -> Location:
 # --- small files and listings --------------------------------------------------------------------
 
 
-def read_file(folder: Location, name: str, limit: int = STATE_READ_LIMIT) -> bytes | None:
-    """The bytes of ``name`` in ``folder``, or None if there is no such file.
+def read_file(
+    folder: Location, name: str, limit: int = STATE_READ_LIMIT, pinned: _zarr_local.PinnedFolder | None = None
+) -> bytes | None:
+    """The bytes of ``name`` in ``folder``, or None if there is no such file; with ``pinned`` (the local
+    ``folder`` held open), in that folder, whatever is at its path now.
 
     Only a regular file (a symlink to one is followed) of at most ``limit`` bytes is read: a FIFO, a
     device such as ``/dev/zero`` or an oversized file is a :class:`CheckpointFormatError`, never a hang
@@ -162,7 +165,8 @@ def read_file(folder: Location, name: str, limit: int = STATE_READ_LIMIT) -> byt
     if folder.local is not None:
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer that never comes.
-            fd = os.open(folder.local / name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(folder.local / name, flags) if pinned is None else os.open(name, flags, dir_fd=pinned.fd)
         except (FileNotFoundError, NotADirectoryError):
             return None
         with os.fdopen(fd, "rb") as f:
@@ -447,17 +451,42 @@ def is_checkpoint(path: Location) -> bool:
     return (path.local / INDEX_FILE).is_file()
 
 
-def read_index_bytes(path: Location) -> bytes:
-    """The raw index of the checkpoint at ``path``, or a clear error saying why there is none."""
+def pin_folder(path: Location) -> _zarr_local.PinnedFolder | None:
+    """The local checkpoint folder at ``path`` held open, so that what is read of it is read from it
+    alone even if another save replaces it meanwhile (None in a kvstore); or a clear error saying why
+    there is none."""
+    if path.local is None:
+        return None
+    local = path.local
+    try:
+        return _zarr_local.PinnedFolder(str(local))
+    except (FileNotFoundError, NotADirectoryError):
+        if not local.exists():
+            raise CheckpointNotFoundError(f"No checkpoint at {str(local)!r}: the path does not exist.") from None
+        if not local.is_dir():
+            raise NotACheckpointError(
+                f"{str(local)!r} is a file, not a checkpoint (a folder with {INDEX_FILE})."
+            ) from None
+        raise
+
+
+def read_index_bytes(path: Location, pinned: _zarr_local.PinnedFolder | None = None) -> bytes:
+    """The raw index of the checkpoint at ``path`` (with ``pinned``, see :func:`pin_folder`: of that
+    folder), or a clear error saying why there is none."""
     if path.local is not None:
         local = path.local
-        if not local.exists():
-            raise CheckpointNotFoundError(f"No checkpoint at {str(local)!r}: the path does not exist.")
-        if not local.is_dir():
-            raise NotACheckpointError(f"{str(local)!r} is a file, not a checkpoint (a folder with {INDEX_FILE}).")
-        if (local / INDEX_FILE).is_dir():
+        if pinned is None:  # pin_folder checks these
+            if not local.exists():
+                raise CheckpointNotFoundError(f"No checkpoint at {str(local)!r}: the path does not exist.")
+            if not local.is_dir():
+                raise NotACheckpointError(f"{str(local)!r} is a file, not a checkpoint (a folder with {INDEX_FILE}).")
+        try:
+            found = os.stat(local / INDEX_FILE) if pinned is None else os.stat(INDEX_FILE, dir_fd=pinned.fd)
+        except OSError:
+            found = None  # read_file says why
+        if found is not None and stat.S_ISDIR(found.st_mode):
             raise NotACheckpointError(f"{str(local)!r} is not a jaxckpt checkpoint: its {INDEX_FILE} is a folder.")
-    data = read_file(path, INDEX_FILE, INDEX_READ_LIMIT)
+    data = read_file(path, INDEX_FILE, INDEX_READ_LIMIT, pinned)
     if data is not None:
         return data
     if path.local is None and not children(path):

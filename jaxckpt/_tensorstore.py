@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -386,19 +387,30 @@ class Reader:
     folders (read by :mod:`jaxckpt._zarr_local` on a local disk, by TensorStore elsewhere); versions
     1 to 3 zarr3 arrays in an OCDBT database. From version 2 every chunk was written, so a missing one
     is damage.
+
+    ``pinned``: for a local data store, the checkpoint's folder held open and the store's name in it;
+    version 4's files are then opened in that folder, never in one renamed to its path since.
     """
 
     def __init__(
-        self, base: dict[str, Any], *, version: int, checksums: Callable[[], _checksums.StoreChecksums] | None = None
+        self,
+        base: dict[str, Any],
+        *,
+        version: int,
+        pinned: tuple[_zarr_local.PinnedFolder, str] | None = None,
+        checksums: Callable[[], _checksums.StoreChecksums] | None = None,
     ) -> None:
-        """``checksums``: from version 5, reads the data store's checksums (asked for when an array is first opened)."""
         self._base = base
         self._checksums = checksums
         self._context = _context()
         self._strict = version >= 2
         self._sharded = version >= 4
         folder = _local_folder(base) if self._sharded else None
-        self._local = _zarr_local.LocalReader(folder) if folder is not None else None
+        self._local = None
+        if folder is not None and pinned is not None:
+            self._local = _zarr_local.LocalReader(os.path.join(pinned[0].path, pinned[1]), pinned[0])
+        elif folder is not None:
+            self._local = _zarr_local.LocalReader(folder)
 
     def _open(self, path: str, metadata: dict[str, Any]) -> Any:
         spec: dict[str, Any]

@@ -25,6 +25,7 @@ import queue
 import stat
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple
@@ -154,6 +155,36 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+class PinnedFolder:
+    """A local folder held open (``fd``), so that the files a reader opens under its path ``path`` are
+    this folder's even after another folder is renamed to that path: an overwriting save swaps in a
+    whole new checkpoint, and a reader must not mix the two. Closed once nothing refers to it (reads
+    still in flight hold it through their arrays), so its number is never reused under them."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._prefix = path.rstrip("/") + "/"
+        # O_PATH (Linux): like opening files by their paths, it takes no read permission on the folder.
+        self.fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC)
+        weakref.finalize(self, os.close, self.fd)
+
+    def replaced(self) -> bool:
+        """Whether its path no longer names this folder (deleted, or another renamed there)."""
+        try:
+            now, pinned = os.stat(self.path), os.fstat(self.fd)
+        except OSError:
+            return True
+        return (now.st_dev, now.st_ino) != (pinned.st_dev, pinned.st_ino)
+
+    def open(self, file: str, flags: int) -> int:
+        """Open ``file``, a path built from :attr:`path`, in this folder (whatever is at its path now)."""
+        relative = file[len(self._prefix) :] if file.startswith(self._prefix) else os.path.relpath(file, self.path)
+        try:
+            return os.open(relative, flags, dir_fd=self.fd)
+        except OSError as e:  # named as the caller named it, not by its path relative to the folder
+            raise OSError(e.errno, e.strerror, file) from None
+
+
 class LocalArray(NamedTuple):
     """An array of a data store, opened: where its files are and what the index says it is."""
 
@@ -168,6 +199,7 @@ class LocalArray(NamedTuple):
     # From format version 5, the data store's checksums of the array (jaxckpt._checksums): shard number
     # in C order of the shard grid -> the CRC-32C of each inner chunk in C order; None before.
     crcs: Mapping[int, tuple[int, ...]] | None = None
+    pinned: PinnedFolder | None = None  # the checkpoint's folder, its files opened in it
 
     def name(self) -> str:
         if self.key:
@@ -209,8 +241,9 @@ def _open_regular(array: LocalArray, file: str) -> int:
     """A file descriptor of ``file``, which must be a regular file, not a symbolic link: a FIFO or a
     device put in a checkpoint must neither block the open nor be read, and a link would read files
     outside the checkpoint."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(file, flags) if array.pinned is None else array.pinned.open(file, flags)
     except OSError as e:
         if e.errno == errno.ELOOP:  # a symbolic link: what it names is outside what was saved
             raise _damaged(array, f"{file} is not a regular file (a symbolic link)") from e
@@ -340,8 +373,9 @@ def _plan_part(
 class LocalReader:
     """Reads arrays and packs of one data store in a local folder, many at a time, on I/O threads."""
 
-    def __init__(self, folder: str) -> None:
-        self._folder = folder
+    def __init__(self, folder: str, pinned: PinnedFolder | None = None) -> None:
+        self._folder = folder  # with ``pinned``: a path under its path, opened in it
+        self._pinned = pinned
         self._lock = threading.Lock()
         # (shard file, chunk number) -> [reads that want part of it and have not had it, its Future
         # once one of them reads it]
@@ -363,7 +397,7 @@ class LocalReader:
         chunk = inner_chunk_shape(shard, dtype.itemsize)
         folder = os.path.join(self._folder, path)
         expected = metadata(shape, stored, shard, dtype.itemsize)
-        array = LocalArray(key, path, folder, tuple(shape), dtype, tuple(shard), chunk, True, crcs)
+        array = LocalArray(key, path, folder, tuple(shape), dtype, tuple(shard), chunk, True, crcs, self._pinned)
         return self._opened(array, expected)
 
     def _opened(self, array: LocalArray, expected: dict[str, Any]) -> LocalArray:
@@ -487,6 +521,7 @@ class LocalReader:
         folder = os.path.join(self._folder, path)
         uint8 = np.dtype("uint8")
         array = self._opened(
-            LocalArray("", path, folder, (nbytes,), uint8, (shard,), (chunk,), False), pack_metadata(nbytes, chunk)
+            LocalArray("", path, folder, (nbytes,), uint8, (shard,), (chunk,), False, pinned=self._pinned),
+            pack_metadata(nbytes, chunk),
         )
         return [self.read_region(array, (slice(a, b),)) for a, b in spans]

@@ -289,9 +289,11 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
         (path, _), key = _chunked(tmp_path), "w"
         target = str(path / "data" / "a" / "0" / ("zarr.json" if refused == "zarr.json" else "c"))
         real_open, real_builtin_open = os.open, open
+        # opened by path, or in the checkpoint's folder held open (dir_fd)
+        targets = (target, os.path.relpath(target, path))
 
         def os_open(file, *args, **kwargs):
-            if str(file).startswith(target):
+            if str(file).startswith(targets):
                 raise PermissionError(errno.EACCES, "Permission denied", str(file))
             return real_open(file, *args, **kwargs)
 
