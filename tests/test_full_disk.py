@@ -113,6 +113,18 @@ def fail_durable_write(monkeypatch: pytest.MonkeyPatch, name_prefix: str) -> Non
     monkeypatch.setattr(_storage, "open", open_, raising=False)
 
 
+def fail_owner_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing the owner file of a new staging folder (the first file of a save) fails, as on a full disk."""
+    real = os.write
+
+    def write(fd: int, data: bytes) -> int:
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".jaxckpt-owner"):
+            raise enospc("owner file")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+
+
 FAILURES = {
     # the first flush: the only one with the default budget, so in the background for async saves
     "data, the last flush": lambda mp: fail_writer_flush(mp, 1),
@@ -122,6 +134,7 @@ FAILURES = {
     "state file": lambda mp: fail_durable_write(mp, ".checkpoint.tmp-"),
     # a manager marks the new checkpoint's staging folder unlisted before anything else is written
     "unlisted marker": lambda mp: fail_durable_write(mp, ".jaxckpt-unrecorded"),
+    "owner file": fail_owner_file,
 }
 
 
