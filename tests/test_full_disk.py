@@ -264,11 +264,13 @@ def test_full_tmpfs_at_the_index(small_disk):
     filler.unlink()
     manager = jaxckpt.CheckpointManager(ckpt, small_disk / "ckpts", max_to_keep=2, step_counter="step")
     manager.save()
+    manager.wait_until_finished()
     before = Snapshot(small_disk / "ckpts")
     filler = fill(small_disk, leave=256 << 10)
     ckpt.step, ckpt.values = 1, values
     with pytest.raises(jaxckpt.StorageError, match="No space left") as error:
         manager.save()
+        manager.wait_until_finished()
     assert error.value.errno == errno.ENOSPC and "index.json" in str(error.value), error.value
     assert manager.checkpoints == [str(small_disk / "ckpts" / "ckpt-1")]
     filler.unlink()
@@ -276,3 +278,22 @@ def test_full_tmpfs_at_the_index(small_disk):
     assert listing == before.listing, f"left behind: {set(listing) ^ set(before.listing)}"
     assert jaxckpt.restore(manager.checkpoints[0])["values"] == many_values(10, 3)
     manager.close()
+
+
+@pytest.mark.parametrize("failure", ["index.json", "state file", "unlisted marker"])
+def test_checkpoint_save_on_a_full_disk_raises(tmp_path, monkeypatch, failure):
+    """Checkpoint.save (which lists its checkpoint in the state file too): a full disk is an error, not
+    a warning, and the checkpoint listed before stays the latest."""
+    ckpt = state(1)
+    first = ckpt.save(tmp_path / "ckpt")
+    with monkeypatch.context() as mp:
+        FAILURES[failure](mp)
+        with pytest.raises(jaxckpt.StorageError, match="No space left") as error:
+            ckpt.save(tmp_path / "ckpt")
+    assert error.value.errno == errno.ENOSPC
+    assert jaxckpt.latest_checkpoint(tmp_path) == first
+    check_step(first, 1)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")], "left behind"
+    with jaxckpt.CheckpointManager(state(0), tmp_path):  # the save's lock was released
+        pass  # and this removes a checkpoint left unlisted (the state file's failure)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1"]
