@@ -314,7 +314,7 @@ class _Records:
                 regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
         shards = [max(b - a for a, b in dims) for dims in zip(*owned)] if shape else []
         chunks = tuple(_tensorstore.chunk_shape(shape, shards, dtype.itemsize))
-        at = InArray(f"a/{self._arrays}", _tensorstore.stored_dtype(dtype), regions, chunks, layout)
+        at = InArray(f"a/{self._arrays}", self.writer.stored_dtype(dtype), regions, chunks, layout)
         self._arrays += 1
         if self.own_copy is not None and not fresh:
             for store, held in own_copy_parts(x, host).items():

@@ -575,6 +575,8 @@ def test_a_chunk_that_several_regions_want_part_of_is_read_once(tmp_path, monkey
 # data-types/), but float8_e4m3fn (OCP FP8 E4M3, no infinities), which has only TensorStore's name:
 # zarr's float8_e4m3 is the IEEE-like type with infinities, another type.
 DTYPE_VALUES = {
+    "float32": lambda: np.linspace(-1, 1, 40, dtype=np.float32),  # core types, for comparison
+    "bool": lambda: np.arange(10) % 3 == 0,
     "bfloat16": lambda: np.linspace(-3, 3, 40).astype(ml_dtypes.bfloat16),
     "float8_e4m3fn": lambda: np.linspace(-448, 448, 40).astype(ml_dtypes.float8_e4m3fn),
     "float8_e4m3": lambda: np.array([-np.inf, np.inf, np.nan, 1.5, -240.0], np.float32).astype(ml_dtypes.float8_e4m3),
@@ -588,7 +590,7 @@ DTYPE_VALUES = {
     "int2": lambda: np.array([-2, -1, 0, 1] * 3, np.int8).astype(ml_dtypes.int2),
     "uint2": lambda: np.array([0, 1, 2, 3] * 3, np.uint8).astype(ml_dtypes.uint2),
 }
-DTYPE_VALUES = {n: f for n, f in DTYPE_VALUES.items() if hasattr(ml_dtypes, n)}
+DTYPE_VALUES = {n: f for n, f in DTYPE_VALUES.items() if hasattr(ml_dtypes, n) or hasattr(np, n)}
 # What TensorStore's zarr3 driver (0.1.86) cannot open: registered names it does not know yet.
 TENSORSTORE_LACKS = {"float8_e4m3", "float6_e2m3fn", "float6_e3m2fn", "uint2", "uint4"}
 
@@ -613,9 +615,10 @@ def test_local_arrays_are_stored_by_their_zarr_names(tmp_path, small_packs, name
     assert json.loads((folder / "zarr.json").read_bytes())["data_type"] == name
     restored = jaxckpt.restore(path)["x"]
     _same_bits(restored, value)
-    assert _opens_with_tensorstore(folder) == (name not in TENSORSTORE_LACKS)
-    if name not in TENSORSTORE_LACKS:
+    if _opens_with_tensorstore(folder):  # a TensorStore that knows the name (0.1.86 lacks five)
         _same_bits(_ts_read(folder), value)
+    else:
+        assert name in TENSORSTORE_LACKS
     assert _verify.verify(str(path)).ok
 
 
