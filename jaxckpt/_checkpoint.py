@@ -20,6 +20,7 @@ from jaxckpt._errors import (
     JaxckptError,
     ManagerLockedError,
     MissingKeyError,
+    StorageError,
     UnusedValuesWarning,
 )
 from jaxckpt._format import ValueLeaf
@@ -204,16 +205,14 @@ class _Recorder:
                     "first, or save into another directory (Checkpoint.write records nothing)."
                 ) from None
 
-    def mark(self, staging: _storage.Location) -> None:
-        if self.primary:
-            _statefile.mark_unrecorded(staging)
-
     def record(self, path: str, step: int) -> None:
         if not self.primary:
             return
         name = os.path.basename(path)
         try:
             _statefile.record(self.directory, path, step, time.time())
+        except StorageError:  # a full disk: an error, as anywhere else in the save (the folder stays unlisted)
+            raise
         except JaxckptError as e:  # e.g. a TensorFlow state file there: the checkpoint itself is whole
             warnings.warn(
                 f"Saved {path!r}, but could not list it in the state file of {self.directory!r}: {e}",
@@ -262,7 +261,7 @@ def _write(
             return _save.write_and_publish(prepared)
         background.submit(lambda: _save.write_and_publish(prepared))
         return os.fspath(path)
-    recorder.mark(prepared.staging)
+    prepared.unlisted = recorder.primary
 
     def publish_and_record() -> str:
         try:

@@ -140,6 +140,7 @@ class Bound(NamedTuple):
     store: Any  # the reader's array
     at: Any  # its InArray record
     crcs: Mapping[int, tuple[int, ...]]
+    shape: tuple[int, ...]  # the array's
 
     def check(self, name: str, read: Pending, region: tuple[slice, ...]) -> _CheckedRead:
         """``read`` (of ``region``), whose chunks that lie wholly inside the region are checked against
@@ -155,7 +156,7 @@ class _CheckedRead(NamedTuple):
 
     def result(self) -> np.ndarray:
         data = self.read.result()
-        shape = tuple(self.bound.store.shape)
+        shape = self.bound.shape
         box = [s.indices(n)[:2] for s, n in zip(self.region, shape)]
         wrong = misplaced_chunk(data, box, shape, self.bound.at.chunks or (), self.bound.crcs)
         if wrong is not None:

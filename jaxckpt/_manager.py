@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxckpt import _lock, _multihost, _retention, _save, _staging, _startup, _statefile, _storage
+from jaxckpt import _lock, _multihost, _retention, _save, _staging, _startup, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError
@@ -397,8 +397,7 @@ class CheckpointManager(PreemptionSaves):
 
     def _finish(self, prepared: _save.Prepared, info: CheckpointInfo) -> None:
         """Write the checkpoint, then list it, then delete what retention lets go (in this order: see _retention)."""
-        if self._primary:
-            _statefile.mark_unrecorded(prepared.staging)  # until listed: see _startup's adoption
+        prepared.unlisted = self._primary  # until listed: see _startup's adoption
         _save.write_and_publish(prepared)
         # Written and durable: now it may be listed. If recording fails, the unlisted folder is
         # garbage that the next manager removes.

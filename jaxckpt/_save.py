@@ -13,7 +13,7 @@ import crc32c
 import jax
 import numpy as np
 
-from jaxckpt import _format, _multihost, _staging, _storage, _tensorstore
+from jaxckpt import _format, _multihost, _staging, _statefile, _storage, _tensorstore
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
     DATA_DIR,
@@ -160,6 +160,10 @@ class Prepared:
     # Each process's own whole copy on its own disk (a two-tier manager's local tier): every process
     # publishes its folder, with the packs and every region it holds, in the store the index names.
     own_copy: bool = False
+    # Mark the checkpoint unlisted (_statefile.UNRECORDED) until a state file lists it: set by the
+    # primary of a manager's or Checkpoint.save's save. Written by write_and_publish, which removes
+    # the staging folder if that fails too.
+    unlisted: bool = False
     end_pause: Callable[[], None] = _nothing  # ends prepare's pause of the garbage collector
 
 
@@ -310,7 +314,7 @@ class _Records:
                 regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
         shards = [max(b - a for a, b in dims) for dims in zip(*owned)] if shape else []
         chunks = tuple(_tensorstore.chunk_shape(shape, shards, dtype.itemsize))
-        at = InArray(f"a/{self._arrays}", _tensorstore.stored_dtype(dtype), regions, chunks, layout)
+        at = InArray(f"a/{self._arrays}", self.writer.stored_dtype(dtype), regions, chunks, layout)
         self._arrays += 1
         if self.own_copy is not None and not fresh:
             for store, held in own_copy_parts(x, host).items():
@@ -356,6 +360,8 @@ def write_and_publish(p: Prepared) -> str:
     checkpoint is visible."""
     primary = _multihost.is_primary() or p.own_copy
     try:
+        if p.unlisted:
+            _statefile.mark_unrecorded(p.staging)
         if p.index is None:
             p.index = _record(p)
         p.records.packer.hand_over(p.records.pack_writer, last=True)

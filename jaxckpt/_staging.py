@@ -214,11 +214,20 @@ def staging_folder(path: Location, token: str, *, own: bool = False) -> Location
     if own or _multihost.is_primary():
         _remove_stale_staging(path.local)
         try:
-            staging.mkdir()
-        except FileExistsError:
-            pass
-        _storage.fsync_dir(staging.parent)
-        _take_ownership(staging)
+            try:
+                staging.mkdir()
+            except FileExistsError:
+                pass
+            _storage.fsync_dir(staging.parent)
+            _take_ownership(staging)
+        except OSError as e:
+            # Not owned, so no later save would remove it as stale: removed here (a token is this save's own).
+            _storage.remove_local(staging)
+            raise _storage.storage_failure(
+                f"Cannot save the checkpoint {path.text!r}: making its staging folder {str(staging)!r} failed",
+                e,
+                "Nothing was written.",
+            ) from e
     else:
         staging.mkdir(exist_ok=True)
     return Location(str(staging), local=staging)
@@ -270,12 +279,20 @@ def publish(staging: Location, path: Location, index: bytes, overwrite: bool) ->
 
 
 def _publish_local(staged: Path, dest: Path, path: Location, index: bytes, overwrite: bool) -> None:
-    _storage.write_durable(staged / INDEX_FILE, index)
-    # The checkpoint must not carry the owner file. Its lock stays held (on the unlinked file) until
-    # the end; a folder without one is never removed as stale, so this is done as late as it can be.
-    (staged / _OWNER_FILE).unlink(missing_ok=True)
-    for folder, _, _ in os.walk(staged):
-        _storage.fsync_dir(Path(folder))
+    try:
+        _storage.write_durable(staged / INDEX_FILE, index)
+        # The checkpoint must not carry the owner file. Its lock stays held (on the unlinked file) until
+        # the end; a folder without one is never removed as stale, so this is done as late as it can be.
+        (staged / _OWNER_FILE).unlink(missing_ok=True)
+        for folder, _, _ in os.walk(staged):
+            _storage.fsync_dir(Path(folder))
+    except OSError as e:  # nothing is visible yet: the caller removes the staging folder
+        there = "the checkpoint already there is untouched" if dest.exists() else "nothing was saved there"
+        raise _storage.storage_failure(
+            f"Cannot save the checkpoint {path.text!r}: writing its {INDEX_FILE} failed",
+            e,
+            f"The save is undone; {there}.",
+        ) from e
     if dest.exists():
         check_writable(path, overwrite)  # the destination may have appeared while we wrote
         if _exchange(staged, dest):

@@ -178,12 +178,19 @@ def mark_unrecorded(staging: _storage.Location) -> None:
         if not mark.is_symlink():
             return  # marked already: only the name counts
         mark.unlink()  # the link alone
-    # O_EXCL creates a new file, and fails rather than follow a symlink that appeared meanwhile.
-    fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        # O_EXCL creates a new file, and fails rather than follow a symlink that appeared meanwhile.
+        fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise _storage.storage_failure(
+            f"Cannot save the checkpoint: marking its staging folder {str(staging)!r} as not yet listed failed",
+            e,
+            "The save is undone; the checkpoints already there are untouched.",
+        ) from e
 
 
 def is_marked(checkpoint: _storage.Location) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import os
 import re
 import stat
@@ -30,6 +31,7 @@ from jaxckpt._errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     NotACheckpointError,
+    StorageError,
     UnsupportedValueError,
 )
 from jaxckpt._format import INDEX_FILE
@@ -225,10 +227,15 @@ def write_file_atomic(folder: Location, name: str, data: bytes) -> None:
     try:
         write_durable(tmp, data)
         os.replace(tmp, folder.local / name)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise storage_failure(f"Cannot write {str(folder / name)!r}", e, "It holds what it held before.") from e
         raise
-    fsync_dir(folder.local)  # the rename itself must survive a power cut
+    try:
+        fsync_dir(folder.local)  # the rename itself must survive a power cut
+    except OSError as e:
+        raise storage_failure(f"Cannot make {str(folder / name)!r} durable", e, "") from e
 
 
 def children(folder: Location) -> list[str]:
@@ -498,10 +505,28 @@ def read_index_bytes(path: Location, pinned: _zarr_local.PinnedFolder | None = N
 
 
 def write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write the file ``path`` and make its bytes durable; a refusing storage (a full disk, no
+    permission) is a :class:`StorageError` naming the file, as for the data a save writes."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise storage_failure(f"Cannot write {str(path)!r}", e, "") from e
+
+
+def storage_failure(what: str, error: OSError, note: str) -> StorageError:
+    """``what`` failed because the storage refused with ``error``: a :class:`StorageError` with its
+    errno, saying why and what to do (``note``: what the failure left as it was)."""
+    if isinstance(error, StorageError) and isinstance(error.__cause__, OSError):
+        error = error.__cause__  # say why once, not "Cannot write X: Cannot write X: ..."
+    number = error.errno or errno.EIO
+    why = os.strerror(error.errno) if error.errno else str(error)
+    return StorageError(
+        f"{what}: {why}.{' ' + note if note else ''} Free space on that disk (or make it writable), then try again.",
+        number,
+    )
 
 
 def fsync_dir(path: Path) -> None:

@@ -23,6 +23,7 @@ full disk, the network), since only the first means the checkpoint is bad.
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,18 +47,33 @@ PACK_TARGET_BYTES = 256 << 20
 # Byte alignment of leaves inside a pack, as of the buffers read into: on CPU, jax aliases a
 # 64-byte-aligned host buffer instead of copying it.
 PACK_ALIGN = 64
+_ZARR_JSON_LIMIT = 1 << 20  # bytes of an array's zarr.json read, as jaxckpt._zarr_local reads it
 
-# dtypes that the zarr3 driver of TensorStore stores natively; others are stored as unsigned ints
-# of the same width and reinterpreted on read.
-_NATIVE = frozenset(
+# The zarr data type names that TensorStore's zarr3 driver knows (0.1.86). Every dtype jaxckpt stores
+# has a zarr v3 name: a core one or one registered in zarr-extensions (data-types/), both the
+# ml_dtypes name, but float8_e4m3fn (OCP FP8 E4M3, no infinities), which has none (zarr's float8_e4m3
+# is the IEEE-like type with infinities) and is stored by TensorStore's name. TensorStore lacks the
+# registered float8_e4m3, float6_e2m3fn, float6_e3m2fn, uint2 and uint4: where TensorStore writes
+# (object stores, memory://) those are stored as unsigned integers of their width (their raw bits);
+# jaxckpt's own writer (local disks) stores them by name. Readers take either, as the index says.
+# A fixed list, not the installed TensorStore's: every process of a save must choose alike.
+_TENSORSTORE_NAMES = frozenset(
     ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64"]
     + ["complex64", "complex128", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
     + ["float8_e4m3b11fnuz", "float8_e3m4", "float8_e8m0fnu", "int4", "int2", "float4_e2m1fn"]
 )
 
 
-def stored_dtype(dtype: np.dtype) -> str:
-    return dtype.name if dtype.name in _NATIVE else f"uint{8 * dtype.itemsize}"
+def stored_dtype(dtype: np.dtype, *, local: bool) -> str:
+    """The zarr data type an array of ``dtype`` is stored as, by jaxckpt's own writer (``local``) or
+    by TensorStore (see :data:`_TENSORSTORE_NAMES`)."""
+    return dtype.name if local or dtype.name in _TENSORSTORE_NAMES else f"uint{8 * dtype.itemsize}"
+
+
+def _raw(stored: str) -> str:
+    """The zarr data type TensorStore opens an array stored as ``stored`` by: the unsigned integer of
+    its width where TensorStore has no name for it."""
+    return stored if stored in _TENSORSTORE_NAMES else f"uint{8 * _zarr_meta.numpy_dtype(stored).itemsize}"
 
 
 _CONTEXT: ts.Context | None = None
@@ -251,6 +267,10 @@ class Writer:
         elif self._checksums:
             kv_write(self._base, CHECKSUMS_FILE, _checksums.encode(save, self._checksums))
 
+    def stored_dtype(self, dtype: np.dtype) -> str:
+        """The zarr data type this writer stores an array of ``dtype`` as (see :func:`stored_dtype`)."""
+        return stored_dtype(dtype, local=self._local is not None)
+
     def add_array(
         self,
         path: str,
@@ -261,7 +281,7 @@ class Writer:
     ) -> None:
         """Record a zarr3 array of ``shape`` in shards of ``chunks`` (see :func:`chunk_shape`), and the
         (region, data) to write: whole shards."""
-        stored = stored_dtype(dtype)
+        stored = self.stored_dtype(dtype)
         if stored != dtype.name:
             parts = [(index, data.view(stored)) for index, data in parts]
         if math.prod(shape) == 0:
@@ -412,13 +432,14 @@ class Reader:
         elif folder is not None:
             self._local = _zarr_local.LocalReader(folder)
 
-    def _open(self, path: str, metadata: dict[str, Any]) -> Any:
+    def _open(self, path: str, metadata: dict[str, Any], *, assume: bool = False) -> Any:
         spec: dict[str, Any]
         if self._sharded:
             spec = {"driver": "zarr3", "kvstore": _sub(self._base, path), "metadata": metadata}
         else:
             spec = {**_spec(self._base, path), "metadata": metadata, "fill_missing_data_reads": not self._strict}
-        return ts.open(spec, open=True, context=self._context)
+        # assume_metadata: the zarr.json, already checked, names a data type TensorStore lacks.
+        return ts.open(spec, open=True, context=self._context, assume_metadata=assume)
 
     def _array_metadata(self, shape: Sequence[int], dtype: str, chunks: Sequence[int] | None) -> Any:
         """An array's metadata (not a pack's) in this checkpoint's format version."""
@@ -437,28 +458,62 @@ class Reader:
                 key: local.open_array(key, at.path, at.stored, leaf.shape, at.chunks or (), crcs.get(at.path))
                 for key, leaf, at in requests
             }
-        futures = [
-            self._open(at.path, self._array_metadata(leaf.shape, at.stored, at.chunks)) for _, leaf, at in requests
-        ]
+        futures, raw = [], []
+        for key, leaf, at in requests:
+            # A registered name that TensorStore lacks (format 4, written by jaxckpt's own writer and
+            # copied here): its zarr.json is checked here, and TensorStore reads the raw bits.
+            dtype, chunks = at.stored, at.chunks
+            raw.append(dtype not in _TENSORSTORE_NAMES and self._sharded and chunks is not None)
+            if not raw[-1]:
+                futures.append(self._open(at.path, self._array_metadata(leaf.shape, dtype, chunks)))
+                continue
+            assert chunks is not None
+            itemsize = _zarr_meta.numpy_dtype(dtype).itemsize
+            self._check_metadata(key, at.path, _zarr_meta.metadata(leaf.shape, dtype, chunks, itemsize))
+            futures.append(self._open(at.path, _sharded_metadata(leaf.shape, _raw(dtype), chunks), assume=True))
         stores = {}
-        for (key, leaf, at), future in zip(requests, futures):
+        for (key, leaf, at), future, by_bits in zip(requests, futures, raw):
             try:
                 store = future.result()
             except Exception as e:
                 raise failure(_name(key, at.path), e) from e
-            _check_open(key, at.path, store, leaf.shape, at.stored, padded=self._sharded)
-            stores[key] = _checksums.Bound(store, at, crcs[at.path]) if at.path in crcs else store
+            stored = _raw(at.stored) if by_bits else at.stored
+            _check_open(key, at.path, store, leaf.shape, stored, padded=self._sharded)
+            opened = _Raw(store, _zarr_meta.numpy_dtype(at.stored)) if by_bits else store
+            stores[key] = _checksums.Bound(opened, at, crcs[at.path], leaf.shape) if at.path in crcs else opened
         return stores
+
+    def _check_metadata(self, key: str, path: str, expected: dict[str, Any]) -> None:
+        folder = _sub(self._base, path)
+        large = kv_exceeds(folder, "zarr.json", _ZARR_JSON_LIMIT)  # so that nothing large is fetched
+        raw = kv_read(folder, "zarr.json") if large is False else None
+        try:
+            found = json.loads(raw) if raw is not None and len(raw) <= _ZARR_JSON_LIMIT else None
+        except (ValueError, RecursionError):
+            found = None
+        problem = "it is missing" if large is None else _zarr_meta.metadata_problem(found, expected)
+        if problem:
+            raise CheckpointCorruptedError(
+                f"Cannot read {_name(key, path)}: its zarr.json does not match the index: {problem}. The checkpoint's "
+                "files are damaged."
+            )
 
     def read_regions(self, key: str, path: str, store: Any, regions: Sequence[tuple[slice, ...]]) -> list[Pending]:
         """Starts reading each region into a fresh aligned buffer."""
         if self._local is not None:
             local = self._local
             return [local.read_region(store, region) for region in regions]
-        if isinstance(store, _checksums.Bound):  # each chunk read whole is checked against the checksums too
-            name = _name(key, path)
-            return [store.check(name, _read_into(key, path, store.store[region]), region) for region in regions]
-        return [_read_into(key, path, store[region]) for region in regions]
+        bound = store if isinstance(store, _checksums.Bound) else None
+        if bound is not None:  # each chunk read whole is checked against the data store's checksums too
+            store = bound.store
+        dtype = None
+        if isinstance(store, _Raw):
+            store, dtype = store.store, store.dtype
+        reads = [_read_into(key, path, store[region], dtype) for region in regions]
+        if bound is None:
+            return list(reads)  # list is invariant: Pending, not PendingRead
+        name = _name(key, path)
+        return [bound.check(name, read, region) for read, region in zip(reads, regions)]
 
     def read_pack_spans(
         self, path: str, nbytes: int, chunk: int | None, spans: Sequence[tuple[int, int]]
@@ -501,6 +556,14 @@ class PendingRead(NamedTuple):
         return self.buffer
 
 
-def _read_into(key: str, path: str, source: ts.TensorStore) -> PendingRead:
+class _Raw(NamedTuple):
+    """An array opened by its raw bits (a data type TensorStore lacks), read as ``dtype``."""
+
+    store: ts.TensorStore
+    dtype: np.dtype
+
+
+def _read_into(key: str, path: str, source: ts.TensorStore, dtype: np.dtype | None = None) -> PendingRead:
     buffer = aligned_empty(source.shape, source.dtype.numpy_dtype)
-    return PendingRead(key, path, ts.array(buffer).write(source), buffer)
+    view = buffer if dtype is None else buffer.view(dtype)  # the same bytes, of the stored type
+    return PendingRead(key, path, ts.array(buffer).write(source), view)

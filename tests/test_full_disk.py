@@ -9,16 +9,18 @@ folder is left behind, and once space is back the next save works.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _statefile, _storage, _tensorstore
+from jaxckpt import _statefile, _storage, _tensorstore, _zarr_write
 
 
 def state(step: int) -> jaxckpt.Checkpoint:
@@ -59,29 +61,80 @@ def enospc(what: str) -> OSError:
 
 
 def fail_writer_flush(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
-    """The array writer's ``nth`` flush from now on fails as a full disk would, after writing nothing."""
-    real, calls = _tensorstore.Writer.flush, []
+    """From the array writer's ``nth`` flush on, its file writes fail as on a full disk, after writing
+    part of the file (jaxckpt's own writer of local data stores, below its error handling)."""
+    real_flush, real_write, calls = _tensorstore.Writer.flush, _zarr_write._write_file, []
 
     def flush(self):
         calls.append(1)
-        if len(calls) == nth:
-            raise enospc("data")
-        return real(self)
+        return real_flush(self)
+
+    def write_file(path, pieces):
+        if len(calls) < nth:
+            return real_write(path, pieces)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        raise enospc(path)
 
     monkeypatch.setattr(_tensorstore.Writer, "flush", flush)
+    monkeypatch.setattr(_zarr_write, "_write_file", write_file)
+
+
+class _FullFile:
+    """A file that takes the first half of what is written to it, then is out of space."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def __enter__(self) -> _FullFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+    def write(self, data: bytes) -> int:
+        self._f.write(data[: len(data) // 2])
+        self._f.flush()
+        raise enospc(self._f.name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
 
 
 def fail_durable_write(monkeypatch: pytest.MonkeyPatch, name_prefix: str) -> None:
-    """Writing a file whose name starts with ``name_prefix`` fails halfway, as on a full disk."""
-    real = _storage.write_durable
+    """Writing a file whose name starts with ``name_prefix`` (through _storage.write_durable, which
+    every small file of a save and a manager goes through) fails halfway, as on a full disk."""
 
-    def write(path: Path, data: bytes) -> None:
-        if path.name.startswith(name_prefix):
-            path.write_bytes(data[: len(data) // 2])
-            raise enospc(str(path))
-        real(path, data)
+    def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = builtins.open(file, mode, *args, **kwargs)
+        return _FullFile(f) if "w" in mode and Path(file).name.startswith(name_prefix) else f
 
-    monkeypatch.setattr(_storage, "write_durable", write)
+    monkeypatch.setattr(_storage, "open", open_, raising=False)
+
+
+def fail_mark_creation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Creating the (empty) mark of an unlisted checkpoint fails, as on a disk out of space or inodes."""
+    real = os.open
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_CREAT and os.path.basename(os.fspath(path)) == ".jaxckpt-unrecorded":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+def fail_owner_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing the owner file of a new staging folder (the first file of a save) fails, as on a full disk."""
+    real = os.write
+
+    def write(fd: int, data: bytes) -> int:
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".jaxckpt-owner"):
+            raise enospc("owner file")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
 
 
 FAILURES = {
@@ -91,6 +144,9 @@ FAILURES = {
     "data, an early flush": lambda mp: (mp.setenv("JAXCKPT_HOST_MEMORY_BUDGET", "65536"), fail_writer_flush(mp, 2)),
     "index.json": lambda mp: fail_durable_write(mp, "index.json"),
     "state file": lambda mp: fail_durable_write(mp, ".checkpoint.tmp-"),
+    # a manager marks the new checkpoint's staging folder unlisted before anything else is written
+    "unlisted marker": lambda mp: fail_mark_creation(mp),
+    "owner file": fail_owner_file,
 }
 
 
@@ -109,10 +165,13 @@ def test_failing_writes_change_nothing(tmp_path, monkeypatch, failure, async_sav
     with monkeypatch.context() as mp:
         FAILURES[failure](mp)
         ckpt.step, ckpt.arrays, ckpt.small = 4, state(4).arrays, state(4).small
-        with pytest.raises(OSError, match="No space left") as error:
+        # A StorageError (an OSError) whichever write failed, never a raw OSError
+        with pytest.raises(jaxckpt.StorageError, match="No space left") as error:
             manager.save()
             manager.wait_until_finished()  # an async save reports its failure here
         assert error.value.errno == errno.ENOSPC
+        if not failure.startswith("data"):  # the small files' messages: where, and what to do
+            assert str(tmp_path) in str(error.value) and "free" in str(error.value).lower(), error.value
     # The state file's failure comes after the checkpoint is durable and published: an unlisted
     # folder, which the next manager removes (and which no listing ever names).
     unlisted = "ckpt-4" if failure == "state file" else None
@@ -190,3 +249,63 @@ def test_full_tmpfs(small_disk, async_save):
     check_step(latest, 3)
     assert [c.step for c in _statefile.read_state(str(directory))] == [2, 3]
     assert sorted(os.listdir(directory)) == ["checkpoint", "ckpt-2", os.path.basename(latest)]
+
+
+def many_values(n: int, value: int) -> dict[str, Any]:
+    """``n`` Python ints: no array data at all, every value in the index (about 60 bytes each)."""
+    return {f"leaf{i:06d}": value for i in range(n)}
+
+
+def test_full_tmpfs_at_the_index(small_disk):
+    """The disk fills up exactly while index.json is written: the data fits, the index does not."""
+    path = small_disk / "ckpt"
+    jaxckpt.save(path, many_values(10, 1))
+    filler = fill(small_disk, leave=256 << 10)
+    values = many_values(50_000, 2)  # an index of some 3 MB: the disk has 256 KB left
+    with pytest.raises(jaxckpt.StorageError, match="No space left") as error:
+        jaxckpt.save(path, values, overwrite=True)
+    assert error.value.errno == errno.ENOSPC
+    assert str(path) in str(error.value) and "index.json" in str(error.value), error.value
+    assert "free" in str(error.value).lower(), error.value
+    print(f"\nfull tmpfs at the index: {type(error.value).__name__}: {error.value}")
+    assert sorted(os.listdir(small_disk)) == ["ckpt", "filler"], "a staging folder was left behind"
+    assert jaxckpt.restore(path) == many_values(10, 1)
+
+    ckpt = jaxckpt.Checkpoint(step=0)
+    ckpt.values = many_values(10, 3)
+    filler.unlink()
+    manager = jaxckpt.CheckpointManager(ckpt, small_disk / "ckpts", max_to_keep=2, step_counter="step")
+    manager.save()
+    manager.wait_until_finished()
+    before = Snapshot(small_disk / "ckpts")
+    filler = fill(small_disk, leave=256 << 10)
+    ckpt.step, ckpt.values = 1, values
+    with pytest.raises(jaxckpt.StorageError, match="No space left") as error:
+        manager.save()
+        manager.wait_until_finished()
+    assert error.value.errno == errno.ENOSPC and "index.json" in str(error.value), error.value
+    assert manager.checkpoints == [str(small_disk / "ckpts" / "ckpt-1")]
+    filler.unlink()
+    listing = sorted(os.listdir(small_disk / "ckpts"))
+    assert listing == before.listing, f"left behind: {set(listing) ^ set(before.listing)}"
+    assert jaxckpt.restore(manager.checkpoints[0])["values"] == many_values(10, 3)
+    manager.close()
+
+
+@pytest.mark.parametrize("failure", ["index.json", "state file", "unlisted marker"])
+def test_checkpoint_save_on_a_full_disk_raises(tmp_path, monkeypatch, failure):
+    """Checkpoint.save (which lists its checkpoint in the state file too): a full disk is an error, not
+    a warning, and the checkpoint listed before stays the latest."""
+    ckpt = state(1)
+    first = ckpt.save(tmp_path / "ckpt")
+    with monkeypatch.context() as mp:
+        FAILURES[failure](mp)
+        with pytest.raises(jaxckpt.StorageError, match="No space left") as error:
+            ckpt.save(tmp_path / "ckpt")
+    assert error.value.errno == errno.ENOSPC
+    assert jaxckpt.latest_checkpoint(tmp_path) == first
+    check_step(first, 1)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")], "left behind"
+    with jaxckpt.CheckpointManager(state(0), tmp_path):  # the save's lock was released
+        pass  # and this removes a checkpoint left unlisted (the state file's failure)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-1"]
