@@ -12,7 +12,7 @@ DIST_STAMP := $(VENV)/.dist-stamp
 PYTEST_ARGS ?= -n 2
 BENCH_ARGS ?=
 
-.PHONY: demo test lint bench venv clean dist smoke
+.PHONY: demo test lint bench venv clean dist smoke stress
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check jaxckpt tests examples
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The reliability tests' stress variants tenfold (CI runs them once over): kills, damaged copies, fuzz cases.
+stress: $(STAMP)
+	JAXCKPT_STRESS_SCALE=10 $(PY) -m pytest -m stress -q -s -n 2 -p no:randomly
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py $(BENCH_ARGS)

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxckpt import _multihost, _staging, _storage, _tensorstore
+from jaxckpt import _kvstore, _multihost, _staging, _storage
 from jaxckpt._format import INDEX_FILE, data_store
 from jaxckpt._storage import Location
 
@@ -88,5 +88,5 @@ def _copy_file(path: Path, staging: Location, rel: str) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
         _storage.write_durable(target, data)  # publish syncs the folders; each file is synced here
     else:
-        _tensorstore.kv_write(staging.spec(), rel, data)
+        _kvstore.kv_write(staging.spec(), rel, data)
     return len(data)

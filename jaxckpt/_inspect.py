@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxckpt import _statefile, _storage
+from jaxckpt import _local_tree, _statefile, _storage
 from jaxckpt._describe import (
     KeyTree,
     build_tree,
@@ -262,7 +262,7 @@ _STYLE = (
 
 def disk_bytes(path: PathLike) -> int | None:
     """Bytes of every file under ``path`` (as ``du --apparent-size``); None if unknown (object stores)."""
-    return _storage.total_bytes(_storage.location(path))
+    return _local_tree.total_bytes(_storage.location(path))
 
 
 def _when(t: float) -> str:

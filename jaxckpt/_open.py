@@ -10,7 +10,8 @@ from typing import Any
 
 from jaxckpt import _formats, _statefile, _storage
 from jaxckpt._errors import CheckpointNotFoundError, NotACheckpointError
-from jaxckpt._reader import ForeignOpened, Opened
+from jaxckpt._foreign_opened import ForeignOpened
+from jaxckpt._reader import Opened
 from jaxckpt._tree import PathLike
 
 

@@ -1,6 +1,6 @@
 """The reader: one checkpoint opened, its index, and batched reads of its values placed as their
 templates want (:mod:`jaxckpt._templates`), for jaxckpt's own checkpoints (:class:`Opened`) and for
-the other libraries' formats (:class:`ForeignOpened`, over :mod:`jaxckpt._formats`).
+the other libraries' formats (:class:`jaxckpt._foreign_opened.ForeignOpened`, over :mod:`jaxckpt._formats`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import crc32c
 import jax
 import numpy as np
 
-from jaxckpt import _format, _formats, _storage, _tensorstore, _zarr_local
+from jaxckpt import _format, _formats, _local_tree, _storage, _tensorstore, _zarr_local
 from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import (
     CheckpointCorruptedError,
@@ -273,7 +273,7 @@ class Opened:
             held = self._stored_bytes.get(store)
             if held is None:
                 # Bytes the file system holds, not apparent sizes: a sparse file's holes back no claim.
-                usage = _storage.usage(self._store_folder(store))
+                usage = _local_tree.usage(self._store_folder(store))
                 held = self._stored_bytes[store] = usage.held if usage is not None else 0
             if claimed > held:
                 raise CheckpointCorruptedError(
@@ -444,47 +444,6 @@ class Opened:
         return data if data.dtype == leaf.dtype else data.view(leaf.dtype)
 
 
-class ForeignOpened(Opened):
-    """A checkpoint that another library wrote (``jaxckpt._formats``), read through the same calls.
-
-    Values are read whole, then placed as their templates want, as for jaxckpt's own checkpoints.
-    """
-
-    def __init__(self, checkpoint: _formats.ForeignCheckpoint) -> None:
-        self.checkpoint = checkpoint
-        self.format = checkpoint.name
-        self.skipped = checkpoint.skipped
-        self.path = checkpoint.path
-        self.location = _storage.location(checkpoint.path)
-        self.index = checkpoint.index
-
-    def exists(self) -> bool:
-        path = self.checkpoint.path
-        return os.path.exists(path) or os.path.exists(path + ".index")
-
-    def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
-        out = {}
-        for key in wanted:
-            if isinstance(self.index.leaves[key], ArrayLeaf):
-                out[key] = self.checkpoint.read(key)
-        return out
-
-    @property
-    def stores_opened(self) -> list[str]:
-        return []
-
-    def read_regions(self, wanted: Mapping[str, list[tuple[slice, ...]]]) -> dict[str, list[np.ndarray]]:
-        return {key: [self.checkpoint.read(key)[index] for index in regions] for key, regions in wanted.items()}
-
-    def read_pieces(self, key: str, budget: int) -> Iterator[np.ndarray]:
-        leaf = self.leaf(key)
-        if not isinstance(leaf, ArrayLeaf):
-            raise ValueError(f"{describe(key)} is not an array")
-        data = self.checkpoint.read(key)  # foreign formats are read whole; then handed on in pieces
-        for index in c_order_pieces(leaf.shape, leaf.dtype.itemsize, budget):
-            yield data[index]
-
-
 def _short_because(store: _storage.Location, claimed: int) -> str:
     """Why a data store holds fewer bytes than claimed, where it is not plain missing data."""
     if _storage.is_symlink(store):
@@ -492,7 +451,7 @@ def _short_because(store: _storage.Location, claimed: int) -> str:
             f" ({store.name!r} is a symlink, which jaxckpt does not follow inside a checkpoint: copy what it "
             "points to into the checkpoint.)"
         )
-    usage = _storage.usage(store)
+    usage = _local_tree.usage(store)
     if usage is not None and usage.apparent >= claimed:
         return (
             f" (Its files are sparse: their sizes add up to {usage.apparent:,} bytes, but the file system holds "

@@ -17,9 +17,10 @@ from jaxckpt._errors import (
     MissingKeyError,
     RestoreAssertionError,
 )
+from jaxckpt._foreign_opened import ForeignOpened
 from jaxckpt._format import NUMPY, ArrayLeaf, InForeign, Leaf, ValueLeaf, scalar_type
 from jaxckpt._open import open_latest
-from jaxckpt._reader import ForeignOpened, Opened
+from jaxckpt._reader import Opened
 from jaxckpt._templates import NO_TEMPLATE
 from jaxckpt._tree import PathLike, build, flatten, gc_paused, placeholders_message, rebuild, unescape_edge
 

@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from jaxckpt import _multihost, _staging, _statefile, _storage
+from jaxckpt import _local_tree, _multihost, _staging, _statefile, _storage
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 
 
@@ -118,4 +118,4 @@ def _remove_tree(path: _storage.Location) -> None:
 
 
 def _delete_renamed(hidden: Path) -> None:
-    _storage.rmtree(hidden)  # raises, unlike the best-effort clean-ups: a failure is reported
+    _local_tree.rmtree(hidden)  # raises, unlike the best-effort clean-ups: a failure is reported

@@ -31,7 +31,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from jaxckpt import _multihost, _storage, _tensorstore
+from jaxckpt import _kvstore, _local_tree, _multihost, _storage
 from jaxckpt._errors import CheckpointExistsError
 from jaxckpt._format import INDEX_FILE
 from jaxckpt._storage import (
@@ -64,7 +64,7 @@ def _only_leftovers(path: Location) -> bool:
     """Object stores: whether ``path`` holds exactly what an interrupted save leaves: its marker, and
     data stores with the keys of its arrays. Without the marker, data is not provably jaxckpt's (a user's
     ``data/`` folder), so it is never taken for leftovers."""
-    keys = _tensorstore.kv_keys(path.spec())
+    keys = _kvstore.kv_keys(path.spec())
     return SAVE_MARKER in keys and all(_LEFTOVER_KEY.fullmatch(k) for k in keys)
 
 
@@ -116,7 +116,7 @@ def clear_for_save(path: Location) -> None:
         if not (is_checkpoint(path) or _only_leftovers(path)):  # it changed since check_writable
             check_writable(path, overwrite=False)
         delete_tree(path)
-    _tensorstore.kv_write(path.spec(), SAVE_MARKER, b"an unfinished jaxckpt save; it has no index.json yet\n")
+    _kvstore.kv_write(path.spec(), SAVE_MARKER, b"an unfinished jaxckpt save; it has no index.json yet\n")
 
 
 def _staging_stem(name: str, mark: str = PARTIAL_MARK) -> str:
@@ -179,7 +179,7 @@ def _remove_stale_staging(path: Path) -> None:
             os.close(fd)
             continue
         try:
-            _storage.remove_local(folder)
+            _local_tree.remove_local(folder)
         finally:
             os.close(fd)
 
@@ -222,7 +222,7 @@ def staging_folder(path: Location, token: str, *, own: bool = False) -> Location
             _take_ownership(staging)
         except OSError as e:
             # Not owned, so no later save would remove it as stale: removed here (a token is this save's own).
-            _storage.remove_local(staging)
+            _local_tree.remove_local(staging)
             raise _storage.storage_failure(
                 f"Cannot save the checkpoint {path.text!r}: making its staging folder {str(staging)!r} failed",
                 e,
@@ -265,9 +265,9 @@ def publish(staging: Location, path: Location, index: bytes, overwrite: bool) ->
     aside first, so for an instant nothing is at ``path``). In an object store: the index is written.
     """
     if path.local is None:
-        _tensorstore.kv_write(path.spec(), INDEX_FILE, index)
+        _kvstore.kv_write(path.spec(), INDEX_FILE, index)
         # The checkpoint is complete: the marker is no longer needed to tell its data apart.
-        _tensorstore.kv_delete(path.spec(), SAVE_MARKER)
+        _kvstore.kv_delete(path.spec(), SAVE_MARKER)
         return
     staged, dest = staging.local, path.local
     if staged is None:
@@ -297,7 +297,7 @@ def _publish_local(staged: Path, dest: Path, path: Location, index: bytes, overw
         check_writable(path, overwrite)  # the destination may have appeared while we wrote
         if _exchange(staged, dest):
             _storage.fsync_dir(dest.parent)
-            _storage.remove_local(staged)  # now holds the old checkpoint (a symlink: the link alone)
+            _local_tree.remove_local(staged)  # now holds the old checkpoint (a symlink: the link alone)
             return
         old = dest.parent / f"{_staging_stem(dest.name, REPLACED_MARK)}{uuid.uuid4().hex[:12]}"
         os.rename(dest, old)
@@ -311,7 +311,7 @@ def _publish_local(staged: Path, dest: Path, path: Location, index: bytes, overw
         raise CheckpointExistsError(f"Cannot move the new checkpoint into {str(dest)!r}: {e}") from e
     _storage.fsync_dir(dest.parent)
     if old is not None:
-        _storage.remove_local(old)
+        _local_tree.remove_local(old)
 
 
 def discard(staging: Location) -> None:

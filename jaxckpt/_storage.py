@@ -14,20 +14,17 @@ S3 follows the standard AWS environment: credentials, ``AWS_REGION`` / ``AWS_DEF
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import errno
 import os
 import re
 import stat
-import sys
 import uuid
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from jaxckpt import _tensorstore, _zarr_local
+from jaxckpt import _kvstore, _local_files
 from jaxckpt._errors import (
-    CheckpointCorruptedError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     NotACheckpointError,
@@ -35,6 +32,7 @@ from jaxckpt._errors import (
     UnsupportedValueError,
 )
 from jaxckpt._format import INDEX_FILE
+from jaxckpt._local_tree import remove_local
 
 TMP_MARK = ".tmp-"  # a file being replaced atomically: ".<name>.tmp-<random>"
 NAME_MAX = 255  # bytes in one path component, on every filesystem jaxckpt expects
@@ -154,7 +152,7 @@ def location(path: str | os.PathLike[str] | Location) -> Location:
 
 
 def read_file(
-    folder: Location, name: str, limit: int = STATE_READ_LIMIT, pinned: _zarr_local.PinnedFolder | None = None
+    folder: Location, name: str, limit: int = STATE_READ_LIMIT, pinned: _local_files.PinnedFolder | None = None
 ) -> bytes | None:
     """The bytes of ``name`` in ``folder``, or None if there is no such file; with ``pinned`` (the local
     ``folder`` held open), in that folder, whatever is at its path now.
@@ -186,12 +184,12 @@ def read_file(
         if len(data) > limit:
             raise _too_large(where, len(data), limit)
         return data
-    exceeds = _tensorstore.kv_exceeds(folder.spec(), name, limit)  # so that nothing large is fetched
+    exceeds = _kvstore.kv_exceeds(folder.spec(), name, limit)  # so that nothing large is fetched
     if exceeds is None:
         return None
     if exceeds:
         raise _too_large(where, None, limit)
-    stored = _tensorstore.kv_read(folder.spec(), name)
+    stored = _kvstore.kv_read(folder.spec(), name)
     if stored is not None and len(stored) > limit:  # replaced by a larger object in between
         raise _too_large(where, len(stored), limit)
     return stored
@@ -221,7 +219,7 @@ def _file_kind(mode: int) -> str:
 def write_file_atomic(folder: Location, name: str, data: bytes) -> None:
     """Replace ``name`` in ``folder`` whole: a crash leaves the old bytes or the new, durably."""
     if folder.local is None:
-        _tensorstore.kv_write(folder.spec(), name, data)
+        _kvstore.kv_write(folder.spec(), name, data)
         return
     tmp = folder.local / f".{name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
     try:
@@ -245,7 +243,7 @@ def children(folder: Location) -> list[str]:
             return sorted(os.listdir(folder.local))
         except (FileNotFoundError, NotADirectoryError):
             return []
-    return sorted({key.split("/", 1)[0] for key in _tensorstore.kv_keys(folder.spec())})
+    return sorted({key.split("/", 1)[0] for key in _kvstore.kv_keys(folder.spec())})
 
 
 def temp_file_pattern(name: str) -> re.Pattern[str]:
@@ -258,195 +256,12 @@ def delete_tree(folder: Location) -> None:
     if folder.local is not None:
         remove_local(folder.local)
     else:
-        _tensorstore.kv_delete_all(folder.spec())
-
-
-def remove_local(path: Path) -> None:
-    """Remove the local folder ``path`` (best effort). A symlink there (a checkpoint of another run linked
-    into a manager's directory) is unlinked: what it points to is not this folder's to delete."""
-    try:
-        if os.path.islink(path):
-            os.unlink(path)
-        else:
-            rmtree(path)
-    except OSError:
-        pass
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def rmtree(path: Path) -> None:
-    """``shutil.rmtree`` without recursion; raises the first OSError.
-
-    Python 3.11's rmtree recurses once per level, so a checkpoint holding a folder 1,100 levels deep
-    was a RecursionError in a manager's retention and at its start. As rmtree does, every folder is
-    opened relative to its parent's descriptor and never through a symlink (a symlink inside is
-    unlinked, never followed); one descriptor is open at a time, and going back up through ``..`` is
-    checked to reach the folder that was left.
-    """
-    fd = os.open(path, _DIR_FLAGS)
-    # Per folder from ``path`` down to the open one: its identity, its name in its parent, and the
-    # subfolders still to remove.
-    levels: list[tuple[tuple[int, int], str, list[str]]] = []
-    try:
-        levels.append((_identity(fd), "", _remove_files(fd)))
-        while True:
-            _, _, pending = levels[-1]
-            if pending:
-                name = pending.pop()
-                try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    continue
-                os.close(fd)
-                fd = child
-                levels.append((_identity(fd), name, _remove_files(fd)))
-                continue
-            _, name, _ = levels.pop()
-            if not levels:
-                break
-            parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = parent
-            if _identity(fd) != levels[-1][0]:
-                raise OSError(f"{str(path)!r} changed while it was being deleted")
-            os.rmdir(name, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(path)
-
-
-def _identity(fd: int) -> tuple[int, int]:
-    info = os.fstat(fd)
-    return info.st_dev, info.st_ino
-
-
-def _remove_files(fd: int) -> list[str]:
-    """Unlink what the open folder ``fd`` holds but folders (symlinks included); return the folders' names."""
-    folders = []
-    with os.scandir(fd) as found:
-        for entry in found:
-            if entry.is_dir(follow_symlinks=False):
-                folders.append(entry.name)
-            else:
-                try:
-                    os.unlink(entry.name, dir_fd=fd)
-                except FileNotFoundError:
-                    pass
-    return folders
+        _kvstore.kv_delete_all(folder.spec())
 
 
 def is_symlink(folder: Location) -> bool:
     """Whether the local ``folder`` is a symlink (a manager never writes, marks or deletes through one)."""
     return folder.local is not None and os.path.islink(folder.local)
-
-
-# Bounds of a walk through a checkpoint's folders, far above what any checkpoint holds (format 4: data/a/<n>/c/
-# then one level per dimension, at most 64; earlier formats are flatter), so that a crafted folder ends it with
-# an error instead of a RecursionError or a walk without end.
-MAX_DEPTH = 128
-MAX_ENTRIES = 1 << 26
-# File systems whose st_blocks counts the blocks a file really holds, without transparent compression
-# (statfs f_type): ext2/3/4, XFS, tmpfs. Elsewhere (ZFS and btrfs may compress, so that a file of zeros
-# holds almost nothing; network and FUSE file systems report what they like) apparent sizes count.
-_TRUTHFUL_BLOCKS = frozenset({0xEF53, 0x58465342, 0x01021994})
-_INLINE_MAX = 4096  # ext4's inline_data keeps a file this small in its inode: no blocks, all bytes held
-
-
-class Usage(NamedTuple):
-    """What the files under a folder take: ``held``, the bytes a file system holds for them (apparent
-    sizes less the holes of sparse files, where it reports them truthfully), and ``apparent``."""
-
-    held: int
-    apparent: int
-
-
-def total_bytes(folder: Location) -> int | None:
-    """Bytes of every file under a local folder (as ``du --apparent-size``); None elsewhere, if absent,
-    or if ``folder`` is a symlink. See :func:`usage` for what is walked."""
-    found = usage(folder)
-    return None if found is None else found.apparent
-
-
-def usage(folder: Location) -> Usage | None:
-    """What the regular files under a local folder take; None elsewhere, if absent, or if a symlink.
-
-    A checkpoint is untrusted: no symlink is followed, ``folder`` included (a symlinked ``data/`` to
-    ``/`` would have every file of the machine stat'ed, and a symlinked file would back bytes that the
-    checkpoint does not hold); the walk keeps its own stack (a folder 1,100 levels deep is no
-    RecursionError), and past :data:`MAX_DEPTH` levels or :data:`MAX_ENTRIES` entries it stops with a
-    :class:`CheckpointCorruptedError` naming the folder.
-    """
-    if folder.local is None:
-        return None
-    try:
-        if not stat.S_ISDIR(os.lstat(folder.local).st_mode):
-            return None
-    except OSError:
-        return None
-    held = apparent = entries = 0
-    truthful: dict[int, bool] = {}  # by st_dev
-    stack = [(os.fspath(folder.local), 0)]
-    while stack:
-        path, depth = stack.pop()
-        try:
-            with os.scandir(path) as found:
-                for entry in found:
-                    entries += 1
-                    if entries > MAX_ENTRIES:
-                        raise _walk_bound(folder, f"more than {MAX_ENTRIES:,} files and folders", path)
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            if depth >= MAX_DEPTH:
-                                raise _walk_bound(folder, f"folders nested over {MAX_DEPTH} levels deep", entry.path)
-                            stack.append((entry.path, depth + 1))
-                            continue
-                        if not entry.is_file(follow_symlinks=False):
-                            continue  # a symlink, FIFO or device holds none of the checkpoint's bytes
-                        info = entry.stat(follow_symlinks=False)
-                    except OSError:  # removed while we looked (a manager's retention at work)
-                        continue
-                    apparent += info.st_size
-                    held += _held(info, entry.path, truthful)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-    return Usage(held, apparent)
-
-
-def _walk_bound(folder: Location, what: str, where: str) -> CheckpointCorruptedError:
-    return CheckpointCorruptedError(
-        f"The checkpoint folder {folder.text!r} holds {what} (at {where[:300]!r}); no jaxckpt checkpoint does, "
-        "so it was crafted or damaged. Remove what does not belong there, or the checkpoint."
-    )
-
-
-def _held(info: os.stat_result, path: str, truthful: dict[int, bool]) -> int:
-    """The bytes of a regular file that its file system holds: a sparse file's holes hold nothing, so
-    they back no claim (a 64 GiB file of holes is a few blocks). Where st_blocks may understate what a
-    genuine file holds (compression, inline data), the apparent size counts: never less than the truth."""
-    blocks = getattr(info, "st_blocks", None)
-    if blocks is None:
-        return info.st_size
-    if info.st_dev not in truthful:
-        truthful[info.st_dev] = _fs_type(path) in _TRUTHFUL_BLOCKS
-    if not truthful[info.st_dev] or (blocks == 0 and info.st_size <= _INLINE_MAX):
-        return info.st_size
-    return min(info.st_size, blocks * 512)
-
-
-def _fs_type(path: str) -> int | None:
-    """Linux's statfs ``f_type`` of the file system holding ``path``; None elsewhere or if unknown."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        statfs = ctypes.CDLL(None, use_errno=True).statfs
-    except (OSError, AttributeError):
-        return None
-    buffer = ctypes.create_string_buffer(512)  # struct statfs, whose first field is f_type (a long)
-    if statfs(os.fsencode(path), buffer) != 0:
-        return None
-    return ctypes.c_long.from_buffer(buffer).value
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -458,7 +273,7 @@ def is_checkpoint(path: Location) -> bool:
     return (path.local / INDEX_FILE).is_file()
 
 
-def pin_folder(path: Location) -> _zarr_local.PinnedFolder | None:
+def pin_folder(path: Location) -> _local_files.PinnedFolder | None:
     """The local checkpoint folder at ``path`` held open, so that what is read of it is read from it
     alone even if another save replaces it meanwhile (None in a kvstore); or a clear error saying why
     there is none."""
@@ -466,7 +281,7 @@ def pin_folder(path: Location) -> _zarr_local.PinnedFolder | None:
         return None
     local = path.local
     try:
-        return _zarr_local.PinnedFolder(str(local))
+        return _local_files.PinnedFolder(str(local))
     except (FileNotFoundError, NotADirectoryError):
         if not local.exists():
             raise CheckpointNotFoundError(f"No checkpoint at {str(local)!r}: the path does not exist.") from None
@@ -477,7 +292,7 @@ def pin_folder(path: Location) -> _zarr_local.PinnedFolder | None:
         raise
 
 
-def read_index_bytes(path: Location, pinned: _zarr_local.PinnedFolder | None = None) -> bytes:
+def read_index_bytes(path: Location, pinned: _local_files.PinnedFolder | None = None) -> bytes:
     """The raw index of the checkpoint at ``path`` (with ``pinned``, see :func:`pin_folder`: of that
     folder), or a clear error saying why there is none."""
     if path.local is not None:
@@ -530,4 +345,4 @@ def storage_failure(what: str, error: OSError, note: str) -> StorageError:
 
 
 def fsync_dir(path: Path) -> None:
-    _zarr_local.fsync_path(path)
+    _local_files.fsync_path(path)

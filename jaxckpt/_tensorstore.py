@@ -1,8 +1,8 @@
 """Array I/O: format version 4's data stores (zarr3 sharded arrays in plain folders), and the OCDBT
 databases of versions 1 to 3, through TensorStore or, on local disks, :mod:`jaxckpt._zarr_local`.
 
-With :mod:`jaxckpt._tensorstore_foreign` (other libraries' zarr arrays), the only modules that import
-tensorstore. A checkpoint's data store holds:
+With :mod:`jaxckpt._tensorstore_foreign` (other libraries' zarr arrays) and :mod:`jaxckpt._kvstore`
+(whole values in key-value stores), the only modules that import tensorstore. A checkpoint's data store holds:
 
 - a large leaf as its own zarr3 array at ``a/<n>/``: one file per shard, each cut into inner chunks
   that end in their CRC-32C (the ``sharding_indexed`` and ``crc32c`` codecs), verified on every read;
@@ -32,10 +32,14 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _checksums, _zarr_local, _zarr_meta, _zarr_write
+from jaxckpt import _checksums, _kvstore, _zarr_local, _zarr_meta, _zarr_write
 from jaxckpt._errors import CheckpointCorruptedError, JaxckptError, StorageError
 from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray
 from jaxckpt._in_flight import WRITE_AHEAD_BYTES, InFlight, Pending
+from jaxckpt._kvstore import REFUSED, failure, status_code
+from jaxckpt._kvstore import (
+    context as _context,
+)
 from jaxckpt._tree import describe
 
 # Leaves up to this many bytes are packed; larger ones get a zarr3 array of their own.
@@ -76,119 +80,9 @@ def _raw(stored: str) -> str:
     return stored if stored in _TENSORSTORE_NAMES else f"uint{8 * _zarr_meta.numpy_dtype(stored).itemsize}"
 
 
-_CONTEXT: ts.Context | None = None
-
-
-def _context() -> ts.Context:
-    """One context for the process: a ``memory://`` store lives in its context, and no cache, since
-    every byte is read once and a cache would only hold a second copy in memory. ``file_io_sync``
-    (fsync of every file written) is TensorStore's default today; it is set here because a checkpoint
-    is published as durable, and a changed default must not silently break that."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True})
-    return _CONTEXT
-
-
-# --- TensorStore's errors as jaxckpt's ------------------------------------------------------------
-
-# Status codes of storage that refused, not of damaged data: the same call may work later.
-_REFUSED = {
-    "PERMISSION_DENIED": errno.EACCES,
-    "UNAUTHENTICATED": errno.EACCES,
-    "RESOURCE_EXHAUSTED": errno.ENOSPC,
-    "UNAVAILABLE": errno.EIO,
-    "DEADLINE_EXCEEDED": errno.ETIMEDOUT,
-    "ABORTED": errno.EIO,
-    "CANCELLED": errno.ECANCELED,
-    "UNKNOWN": errno.EIO,
-    "INTERNAL": errno.EIO,
-}
-
-
-def status_code(error: BaseException) -> str | None:
-    """The status code TensorStore put in front of its message (``NOT_FOUND``...), or None."""
-    code = str(error).split(":", 1)[0]
-    return code if code.isupper() and code.replace("_", "").isalpha() else None
-
-
-def failure(what: str, error: Exception) -> JaxckptError:
-    """The jaxckpt error for a TensorStore failure while reading or writing ``what``."""
-    if isinstance(error, JaxckptError):
-        return error
-    code = status_code(error)
-    if code in _REFUSED:
-        number = _REFUSED[code]
-        if code == "RESOURCE_EXHAUSTED" and "space" not in str(error).lower():
-            number = errno.ENOMEM
-        return StorageError(
-            f"Cannot access {what}: the storage refused ({error}). The checkpoint may be intact.", number
-        )
-    if code == "NOT_FOUND":
-        return CheckpointCorruptedError(
-            f"Cannot read {what}: data is missing from the checkpoint ({error}). Files or chunks of it were "
-            "deleted, or it is being deleted now."
-        )
-    return CheckpointCorruptedError(f"Cannot read {what}: {error}. The checkpoint's files are damaged or truncated.")
-
-
 def _spec(base: dict[str, Any], path: str) -> dict[str, Any]:
     """The zarr3 array at ``path`` in the OCDBT database whose files live at kvstore ``base``."""
     return {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": base, "path": path + "/"}}
-
-
-# --- plain key-value access, for index and state files in object stores ------------------------
-
-
-def _kv(base: dict[str, Any]) -> ts.KvStore:
-    return ts.KvStore.open(base, context=_context()).result()
-
-
-def _kv_call(what: str, call: Any) -> Any:
-    try:
-        return call()
-    except Exception as e:  # TensorStore reports storage failures as ValueError with a status code
-        raise failure(what, e) from e
-
-
-def kv_read(base: dict[str, Any], key: str) -> bytes | None:
-    """The value at ``key`` under kvstore ``base``, or None if there is none."""
-    result = _kv_call(repr(key), lambda: _kv(base).read(key).result())
-    return bytes(result.value) if result.state == "value" else None
-
-
-def kv_exceeds(base: dict[str, Any], key: str, limit: int) -> bool | None:
-    """Whether the value at ``key`` is over ``limit`` bytes (None if there is none), fetching one byte:
-    the one just past the limit, present only in a larger value."""
-    try:
-        beyond = _kv(base).read(key, byte_range=slice(limit, limit + 1)).result()
-    except Exception as e:
-        if status_code(e) == "OUT_OF_RANGE":  # shorter than the limit
-            return False
-        raise failure(repr(key), e) from e
-    if beyond.state == "missing":
-        return None
-    return bool(beyond.value)
-
-
-def kv_write(base: dict[str, Any], key: str, value: bytes) -> None:
-    """Write one value (one object: replaced whole or not at all)."""
-    _kv_call(repr(key), lambda: _kv(base).write(key, value).result())
-
-
-def kv_delete(base: dict[str, Any], key: str) -> None:
-    """Delete the value at ``key`` (if any)."""
-    _kv_call(repr(key), lambda: _kv(base).delete_range(ts.KvStore.KeyRange(key, key + "\0")).result())
-
-
-def kv_keys(base: dict[str, Any]) -> list[str]:
-    """Every key under kvstore ``base``."""
-    return [k.decode("utf-8", "replace") for k in _kv_call("a listing", lambda: _kv(base).list().result())]
-
-
-def kv_delete_all(base: dict[str, Any]) -> None:
-    """Delete every key under kvstore ``base``."""
-    _kv_call("a deletion", lambda: _kv(base).delete_range(ts.KvStore.KeyRange()).result())
 
 
 def _metadata(shape: Sequence[int], dtype: str, chunks: Sequence[int] | None, checksum: bool) -> dict[str, Any]:
@@ -265,7 +159,7 @@ class Writer:
         if self._local is not None:
             self._local.finish(save)
         elif self._checksums:
-            kv_write(self._base, CHECKSUMS_FILE, _checksums.encode(save, self._checksums))
+            _kvstore.kv_write(self._base, CHECKSUMS_FILE, _checksums.encode(save, self._checksums))
 
     def stored_dtype(self, dtype: np.dtype) -> str:
         """The zarr data type this writer stores an array of ``dtype`` as (see :func:`stored_dtype`)."""
@@ -350,7 +244,7 @@ class Writer:
 
 
 def _write_failure(error: Exception) -> JaxckptError:
-    if status_code(error) in _REFUSED:
+    if status_code(error) in REFUSED:
         return failure("the checkpoint's data store for writing", error)
     # Anything else TensorStore reports while writing is not damage of a checkpoint (none exists yet).
     return StorageError(f"Cannot write the checkpoint's data: {error}", errno.EIO)
@@ -485,8 +379,8 @@ class Reader:
 
     def _check_metadata(self, key: str, path: str, expected: dict[str, Any]) -> None:
         folder = _sub(self._base, path)
-        large = kv_exceeds(folder, "zarr.json", _ZARR_JSON_LIMIT)  # so that nothing large is fetched
-        raw = kv_read(folder, "zarr.json") if large is False else None
+        large = _kvstore.kv_exceeds(folder, "zarr.json", _ZARR_JSON_LIMIT)  # so that nothing large is fetched
+        raw = _kvstore.kv_read(folder, "zarr.json") if large is False else None
         try:
             found = json.loads(raw) if raw is not None and len(raw) <= _ZARR_JSON_LIMIT else None
         except (ValueError, RecursionError):

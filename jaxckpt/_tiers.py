@@ -62,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _copy, _multihost, _retention, _statefile, _storage
+from jaxckpt import _copy, _local_tree, _multihost, _retention, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError, JaxckptError
@@ -162,14 +162,14 @@ class TieredManager(CheckpointManager):
         local = self._local
         if len(local._infos) < 2:
             return
-        need = _storage.total_bytes(_storage.location(local._infos[-1].path)) or 0
+        need = _local_tree.total_bytes(_storage.location(local._infos[-1].path)) or 0
         free = shutil.disk_usage(local.directory).free
         durable = {os.path.basename(c.path) for c in self._infos}
         for c in local._infos[:-1]:
             if free >= need:
                 return
             if os.path.basename(c.path) in durable and c.path not in local._also_keep:
-                free += _storage.total_bytes(_storage.location(c.path)) or 0
+                free += _local_tree.total_bytes(_storage.location(c.path)) or 0
                 self._keep_local([k for k in local._infos if k is not c])
 
     def should_save(self, step: int) -> bool:

@@ -6,10 +6,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxckpt._errors import CheckpointFormatError, JaxckptError, StorageError, UnsupportedVersionError
+from jaxckpt._foreign_opened import ForeignOpened
 from jaxckpt._format import ArrayLeaf
 from jaxckpt._open import open_latest
 from jaxckpt._progress import Progress
-from jaxckpt._reader import ForeignOpened
 from jaxckpt._scan import array_leaf, batches, one_large, pieces, read_arrays
 
 

@@ -18,7 +18,8 @@ import numpy as np
 from jaxckpt import _checksums
 from jaxckpt._errors import StorageError
 from jaxckpt._format import CHECKSUMS_FILE
-from jaxckpt._zarr_local import CRC, bytes_of, crc32c_of, crc_bytes, fsync_path, io_pool, shards_in, view_at
+from jaxckpt._local_files import bytes_of, crc32c_of, crc_bytes, fsync_path, io_pool, view_at
+from jaxckpt._zarr_local import CRC, shards_in
 from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, pack_metadata, pack_shard
 
 _IOV_MAX = 512  # buffers per pwritev call (Linux allows 1024)

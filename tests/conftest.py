@@ -21,6 +21,13 @@ def small_packs(monkeypatch):
 
 
 @pytest.fixture
+def stress_scale() -> int:
+    """How many times over the stress marker's trials run: ``JAXCKPT_STRESS_SCALE``, 1 by default (CI's
+    ``pytest -m stress``); ``make stress`` runs them tenfold."""
+    return max(1, int(os.environ.get("JAXCKPT_STRESS_SCALE", "1")))
+
+
+@pytest.fixture
 def small_inner_chunks(monkeypatch):
     """Inner chunks of at most 1 KiB (the format's limit is 8 MiB): several per shard, cheaply; leaves
     over 1 KiB have their own array."""

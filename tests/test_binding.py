@@ -21,7 +21,7 @@ import pytest
 from test_zarr_local import _CRC, _ENTRY, _entries, _folder, _index, _refused, _saved, _shards, _write_entries
 
 import jaxckpt
-from jaxckpt import _verify, _zarr_local
+from jaxckpt import _kvstore, _storage, _verify, _zarr_local
 from jaxckpt._checked_json import canonical_json
 from jaxckpt._reader import Opened
 
@@ -194,8 +194,6 @@ def test_a_shard_index_offset_past_2_to_the_63_in_a_short_file_is_damage(tmp_pat
 def test_shards_swapped_in_a_bucket_are_refused(s3, small_inner_chunks):
     """Read through TensorStore (which checks each chunk's own checksum alone), the chunks a read
     covers whole are checked against the data store's checksums too."""
-    from jaxckpt import _storage, _tensorstore
-
     rng = np.random.default_rng(4)
     tree = {k: rng.standard_normal((32, 32)).astype(np.float32) for k in ("a", "b")}
     path = f"{s3}/swapped"
@@ -204,9 +202,9 @@ def test_shards_swapped_in_a_bucket_are_refused(s3, small_inner_chunks):
         np.testing.assert_array_equal(jaxckpt.load_variable(path, key), value)
     data = _storage.location(path) / "data"
     arrays = {k: _index_of_bucket(path)["leaves"][k]["at"]["array"] for k in tree}
-    sa, sb = (_tensorstore.kv_read(data.spec(), f"{arrays[k]}/c/0/0") for k in ("a", "b"))
-    _tensorstore.kv_write(data.spec(), f"{arrays['a']}/c/0/0", sb)
-    _tensorstore.kv_write(data.spec(), f"{arrays['b']}/c/0/0", sa)
+    sa, sb = (_kvstore.kv_read(data.spec(), f"{arrays[k]}/c/0/0") for k in ("a", "b"))
+    _kvstore.kv_write(data.spec(), f"{arrays['a']}/c/0/0", sb)
+    _kvstore.kv_write(data.spec(), f"{arrays['b']}/c/0/0", sa)
     for key in tree:
         with pytest.raises(jaxckpt.CheckpointCorruptedError, match=rf"'{key}'.*not the data the index records"):
             jaxckpt.load_variable(path, key)
@@ -214,6 +212,4 @@ def test_shards_swapped_in_a_bucket_are_refused(s3, small_inner_chunks):
 
 
 def _index_of_bucket(path: str) -> dict:
-    from jaxckpt import _storage
-
     return json.loads(_storage.read_index_bytes(_storage.location(path)))

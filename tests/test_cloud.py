@@ -55,28 +55,28 @@ def test_manager_on_s3_saves_retains_and_continues(s3):
 
 
 def test_interrupted_save_on_s3_is_not_a_checkpoint_and_is_cleaned(s3, monkeypatch):
-    from jaxckpt import _tensorstore
+    from jaxckpt import _kvstore
 
-    real_write = _tensorstore.kv_write
+    real_write = _kvstore.kv_write
 
     def no_index(base, key, value):
         if key == "index.json":
             raise OSError("connection reset")  # the commit never happens
         real_write(base, key, value)
 
-    monkeypatch.setattr(_tensorstore, "kv_write", no_index)
+    monkeypatch.setattr(_kvstore, "kv_write", no_index)
     with pytest.raises(OSError, match="connection reset"):
         jaxckpt.save(f"{s3}/c", {"x": np.arange(5)})
-    monkeypatch.setattr(_tensorstore, "kv_write", real_write)
+    monkeypatch.setattr(_kvstore, "kv_write", real_write)
     assert _storage.children(_storage.location(f"{s3}/c")) == []  # the failed save removed its data
     jaxckpt.save(f"{s3}/c", {"x": np.arange(5)})
     assert jaxckpt.restore(f"{s3}/c")["x"].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_leftover_data_without_index_is_replaced_by_the_next_save(s3, monkeypatch):
-    from jaxckpt import _tensorstore
+    from jaxckpt import _kvstore
 
-    real_write = _tensorstore.kv_write
+    real_write = _kvstore.kv_write
 
     def crash_before_index(base, key, value):
         if key == "index.json":
@@ -84,11 +84,11 @@ def test_leftover_data_without_index_is_replaced_by_the_next_save(s3, monkeypatc
         real_write(base, key, value)
 
     real_discard = _staging.discard
-    monkeypatch.setattr(_tensorstore, "kv_write", crash_before_index)
+    monkeypatch.setattr(_kvstore, "kv_write", crash_before_index)
     monkeypatch.setattr(_staging, "discard", lambda staging: None)
     with pytest.raises(KeyboardInterrupt):
         jaxckpt.save(f"{s3}/c", {"x": np.arange(3)})
-    monkeypatch.setattr(_tensorstore, "kv_write", real_write)  # not undo(): that would drop the S3 settings too
+    monkeypatch.setattr(_kvstore, "kv_write", real_write)  # not undo(): that would drop the S3 settings too
     monkeypatch.setattr(_staging, "discard", real_discard)
     path = f"{s3}/c"
     assert _storage.children(_storage.location(path)) == [_staging.SAVE_MARKER, "data"]

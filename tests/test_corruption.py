@@ -163,8 +163,8 @@ def test_flipped_and_truncated_files(tmp_path, pristine):
 
 
 @pytest.mark.stress
-def test_flipped_and_truncated_files_stress(tmp_path, pristine):
-    run_damage(tmp_path, pristine, flips=300, truncations=40)
+def test_flipped_and_truncated_files_stress(tmp_path, pristine, stress_scale):
+    run_damage(tmp_path, pristine, flips=300 * stress_scale, truncations=40 * stress_scale)
 
 
 def zarr_metadata(source: Path) -> list[tuple[str, int, int]]:

@@ -231,13 +231,13 @@ def test_kills_during_retention_and_state_file_rewrite(tmp_path):
 
 
 @pytest.mark.stress
-def test_random_kills_while_saving_stress(tmp_path):
-    random_kills(tmp_path, trials=24, leaves=400, mbytes=200)
+def test_random_kills_while_saving_stress(tmp_path, stress_scale):
+    random_kills(tmp_path, trials=24 * stress_scale, leaves=400, mbytes=200)
 
 
 @pytest.mark.stress
-def test_kills_during_retention_and_state_file_rewrite_stress(tmp_path):
-    exact_kills(tmp_path, rounds=4)
+def test_kills_during_retention_and_state_file_rewrite_stress(tmp_path, stress_scale):
+    exact_kills(tmp_path, rounds=4 * stress_scale)
 
 
 def test_the_check_catches_a_checkpoint_of_mixed_steps(tmp_path):

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt import _cli, _tensorstore
+from jaxckpt import _cli, _tensorstore, _zarr_meta
 
 DEFAULT_EXAMPLES = 150
 STRESS_EXAMPLES = 3000
@@ -294,8 +294,8 @@ def test_fuzzed_index(tmp_path, original):
 
 
 @pytest.mark.stress
-def test_fuzzed_index_stress(tmp_path, original):
-    _fuzz_index(tmp_path, original, STRESS_EXAMPLES)
+def test_fuzzed_index_stress(tmp_path, original, stress_scale):
+    _fuzz_index(tmp_path, original, STRESS_EXAMPLES * stress_scale)
 
 
 # --- the manager's state file ----------------------------------------------------------------------
@@ -349,8 +349,8 @@ def test_fuzzed_state_file(tmp_path, manager_dir):
 
 
 @pytest.mark.stress
-def test_fuzzed_state_file_stress(tmp_path, manager_dir):
-    _fuzz_state(tmp_path, manager_dir, STRESS_EXAMPLES // 3)
+def test_fuzzed_state_file_stress(tmp_path, manager_dir, stress_scale):
+    _fuzz_state(tmp_path, manager_dir, STRESS_EXAMPLES // 3 * stress_scale)
 
 
 # --- zarr.json, shard files and the OCDBT manifest: what no index checksum covers -----------------
@@ -492,6 +492,110 @@ def _manifest_damage(data: st.DataObject, work: Path) -> None:
     manifest.write_bytes(bytes(raw))
 
 
+def _misplaced_tree() -> dict[str, Any]:
+    """Three arrays of one shape (shard files of one size), each in two shards of four inner chunks
+    under :func:`_small_chunks`, and a packed leaf."""
+    rng = np.random.default_rng(11)
+    return {
+        **{k: rng.standard_normal((64, 8)).astype(np.float32) for k in ("a", "b", "c")},
+        "packed": np.arange(5, dtype=np.int32),
+    }
+
+
+def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 256)
+    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 256)
+
+
+def _same_misplaced(restored: dict, expected: dict) -> None:
+    for key, value in expected.items():
+        assert np.asarray(restored[key]).tobytes() == value.tobytes(), key
+
+
+def _entries_of(file: Path) -> tuple[int, np.ndarray]:
+    """A shard file's index: where it starts, and its (offset, size) entries (4 inner chunks)."""
+    start = file.stat().st_size - 4 * 16 - 4
+    return start, np.frombuffer(file.read_bytes()[start:-4], "<u8").reshape(4, 2).copy()
+
+
+def _misplacement_damage(data: st.DataObject, work: Path) -> None:
+    """Bytes moved with their own checksums intact (format 5): inner chunks swapped or copied within a
+    shard, shard index entries swapped or duplicated, shard files swapped or copied, shard lists of
+    the data store's checksums swapped. Each is damage or leaves the values as they were."""
+    import crc32c
+
+    shards = _store_files(work, lambda p: "c" in p.parts and p.parts[0] == "a")
+    how = data.draw(
+        st.sampled_from(
+            ["swap chunks", "copy chunk", "swap entries", "same entry", "swap files", "copy file", "swap sums"]
+        ),
+        label="how",
+    )
+    i, j = data.draw(st.integers(0, 3), label="i"), data.draw(st.integers(0, 3), label="j")
+    if how in ("swap files", "copy file"):
+        a, b = data.draw(st.sampled_from(shards), label="a"), data.draw(st.sampled_from(shards), label="b")
+        raw_a, raw_b = a.read_bytes(), b.read_bytes()
+        b.write_bytes(raw_a)
+        if how == "swap files":
+            a.write_bytes(raw_b)
+        return
+    if how == "swap sums":
+        file = work / "data" / "checksums.json"
+        body = json.loads(file.read_bytes())
+        del body["checksum"]
+        lists = [(path, n) for path, by in sorted(body["arrays"].items()) for n in sorted(by)]
+        (pa, na), (pb, nb) = data.draw(st.sampled_from(lists), label="x"), data.draw(st.sampled_from(lists), label="y")
+        arrays = body["arrays"]
+        arrays[pa][na], arrays[pb][nb] = arrays[pb][nb], arrays[pa][na]
+        from jaxckpt._checked_json import checksummed_json
+
+        file.write_bytes(checksummed_json(body))
+        return
+    file = data.draw(st.sampled_from(shards), label="file")
+    raw = bytearray(file.read_bytes())
+    start, entries = _entries_of(file)
+    if how in ("swap entries", "same entry"):
+        entries[j] = entries[i].copy() if how == "same entry" else entries[j]
+        if how == "swap entries":
+            entries[[i, j]] = entries[[j, i]]
+        index = entries.astype("<u8").tobytes()
+        raw[start:] = index + crc32c.crc32c(index).to_bytes(4, "little")
+    else:
+        (oi, size), (oj, _) = (map(int, entries[i]), map(int, entries[j]))
+        chunk_i, chunk_j = bytes(raw[oi : oi + size]), bytes(raw[oj : oj + size])
+        raw[oj : oj + size] = chunk_i
+        if how == "swap chunks":
+            raw[oi : oi + size] = chunk_j
+    file.write_bytes(bytes(raw))
+
+
+def _fuzz_misplacements(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, examples: int) -> Outcomes:
+    _small_chunks(monkeypatch)
+    source = tmp_path / "misplaced"
+    jaxckpt.save(source, _misplaced_tree())
+    for key in "abc":  # as the damage above assumes: two shard files of 4 inner chunks each
+        assert (
+            len(
+                list(
+                    (
+                        source
+                        / "data"
+                        / json.loads((source / "index.json").read_bytes())["leaves"][key]["at"]["array"]
+                        / "c"
+                    ).rglob("*")
+                )
+            )
+            >= 2
+        )
+    return _fuzz_store(tmp_path, (source, {}), examples, _misplacement_damage, _misplaced_tree, _same_misplaced)
+
+
+def test_fuzzed_misplacements(tmp_path, monkeypatch):
+    outcomes = _fuzz_misplacements(tmp_path, monkeypatch, DEFAULT_EXAMPLES // 3)
+    print(f"\nfuzz misplacements: calls ended: {dict(outcomes)}, 0 wrong")
+    assert outcomes["CheckpointCorruptedError"] > 0
+
+
 def test_fuzzed_zarr_json(tmp_path, original):
     outcomes = _fuzz_store(tmp_path, original, DEFAULT_EXAMPLES // 3, _zarr_json_damage)
     print(f"\nfuzz zarr.json: calls ended: {dict(outcomes)}")
@@ -513,13 +617,20 @@ def test_fuzzed_ocdbt_manifest(tmp_path):
 
 
 @pytest.mark.stress
-def test_fuzzed_zarr_json_shards_and_manifest_stress(tmp_path, original):
+def test_fuzzed_zarr_json_shards_and_manifest_stress(tmp_path, original, stress_scale):
     for damage in (_zarr_json_damage, _shard_damage):
-        outcomes = _fuzz_store(tmp_path, original, STRESS_EXAMPLES // 6, damage)
+        outcomes = _fuzz_store(tmp_path, original, STRESS_EXAMPLES // 6 * stress_scale, damage)
         print(f"\nfuzz {damage.__name__}: calls ended: {dict(outcomes)}")
     source, tree = _golden_v3()
-    outcomes = _fuzz_store(tmp_path, (source, {}), STRESS_EXAMPLES // 6, _manifest_damage, tree, _same_golden)
+    examples = STRESS_EXAMPLES // 6 * stress_scale
+    outcomes = _fuzz_store(tmp_path, (source, {}), examples, _manifest_damage, tree, _same_golden)
     print(f"\nfuzz _manifest_damage: calls ended: {dict(outcomes)}")
+
+
+@pytest.mark.stress
+def test_fuzzed_misplacements_stress(tmp_path, monkeypatch, stress_scale):
+    outcomes = _fuzz_misplacements(tmp_path, monkeypatch, STRESS_EXAMPLES // 6 * stress_scale)
+    print(f"\nfuzz misplacements (stress): calls ended: {dict(outcomes)}, 0 wrong")
 
 
 # --- crafted indexes: each hostile idea once, by hand ----------------------------------------------

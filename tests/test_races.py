@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _storage, _zarr_local, _zarr_meta
+from jaxckpt import _local_tree, _storage, _zarr_local, _zarr_meta
 
 WRITER = textwrap.dedent(
     """
@@ -73,9 +73,9 @@ def test_restores_racing_retention_return_saved_values_or_raise(tmp_path, monkey
 
 
 @pytest.mark.stress
-def test_restores_racing_retention_stress(tmp_path, monkeypatch):
+def test_restores_racing_retention_stress(tmp_path, monkeypatch, stress_scale):
     monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 4096)
-    outcomes = _race(tmp_path, saves=400)
+    outcomes = _race(tmp_path, saves=400 * stress_scale)
     print(f"\nrace (stress): restores while retention deletes: {dict(outcomes)}, 0 wrong")
 
 
@@ -137,7 +137,7 @@ def test_restore_overwritten_mid_read_reads_the_folder_it_opened(tmp_path, monke
     path = tmp_path / "ckpt"
     jaxckpt.save(path, _tree(1))
     removals = []
-    monkeypatch.setattr(_storage, "remove_local", lambda *args, **kwargs: removals.append((args, kwargs)))
+    monkeypatch.setattr(_local_tree, "remove_local", lambda *args, **kwargs: removals.append((args, kwargs)))
     _overwrite_on_first_open(monkeypatch, path, _tree(2))
     assert _saved_by(jaxckpt.restore(path)) == 1
     assert removals  # the old folder was swapped out, to be removed
@@ -148,8 +148,8 @@ def test_the_size_check_measures_the_folder_it_reads(tmp_path, monkeypatch):
     not in a smaller checkpoint renamed to the path since (a false 'truncated', then 'replaced')."""
     path = tmp_path / "ckpt"
     jaxckpt.save(path, _tree(1))
-    monkeypatch.setattr(_storage, "remove_local", lambda *args, **kwargs: None)  # the old folder stays
-    original = _storage.usage
+    monkeypatch.setattr(_local_tree, "remove_local", lambda *args, **kwargs: None)  # the old folder stays
+    original = _local_tree.usage
     done = []
 
     def usage(*args, **kwargs):
@@ -158,7 +158,7 @@ def test_the_size_check_measures_the_folder_it_reads(tmp_path, monkeypatch):
             jaxckpt.save(path, {"step": 2}, overwrite=True)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_storage, "usage", usage)
+    monkeypatch.setattr(_local_tree, "usage", usage)
     assert _saved_by(jaxckpt.restore(path)) == 1
     assert done
 
