@@ -124,34 +124,38 @@ def test_a_shard_whose_index_checksum_fails_is_refused(tmp_path, small_inner_chu
     _refused(path, tree, "w", "index .*fails its checksum")
 
 
+_OUTSIDE = "outside the file or of the wrong size"
+_MISPLACED = "not the data the index records"  # format 5: each chunk intact, in another's place
+
+
+def _swap(e, i, j):
+    e[[i, j]] = e[[j, i]]
+
+
 @pytest.mark.parametrize(
     "entry",
     [
-        ("offset past the end", lambda e, size: e[3].__setitem__(0, size)),
-        ("offset into the index", lambda e, size: e[3].__setitem__(0, size - 4 * _ENTRY - _CRC - 8)),
-        ("offset of 2**63", lambda e, size: e[1].__setitem__(0, 2**63)),
-        ("size too large", lambda e, size: e[0].__setitem__(1, e[0][1] + 4)),
-        ("size of 2**64 - 2", lambda e, size: e[0].__setitem__(1, 2**64 - 2)),
-        ("size too small", lambda e, size: e[2].__setitem__(1, 4)),
+        ("offset past the end", lambda e, size: e[3].__setitem__(0, size), _OUTSIDE),
+        ("offset into the index", lambda e, size: e[3].__setitem__(0, size - 4 * _ENTRY - _CRC - 8), _OUTSIDE),
+        ("offset of 2**63", lambda e, size: e[1].__setitem__(0, 2**63), _OUTSIDE),
+        ("size too large", lambda e, size: e[0].__setitem__(1, e[0][1] + 4), _OUTSIDE),
+        ("size of 2**64 - 2", lambda e, size: e[0].__setitem__(1, 2**64 - 2), _OUTSIDE),
+        ("size too small", lambda e, size: e[2].__setitem__(1, 4), _OUTSIDE),
+        ("marked absent", lambda e, size: e.__setitem__(2, [2**64 - 1, 2**64 - 1]), "missing"),
+        ("two swapped", lambda e, size: _swap(e, 1, 3), _MISPLACED),
+        ("two naming the same bytes", lambda e, size: e.__setitem__(3, e[1]), "overlap"),
     ],
     ids=lambda e: e[0],
 )
-def test_a_shard_index_naming_bytes_outside_the_file_is_refused(tmp_path, small_inner_chunks, entry):
+def test_a_crafted_shard_index_is_refused(tmp_path, small_inner_chunks, entry):
+    """Entries outside the file, absent (an absent chunk is missing data, never zeros), or naming
+    chunks in other places (each chunk's own checksum holds): all refused, naming the value."""
     path, tree = _saved(tmp_path)
     (shard,) = _shards(_folder(path, "w"))
     entries = _entries(shard, 4)
     entry[1](entries, shard.stat().st_size)
     _write_entries(shard, entries)
-    _refused(path, tree, "w", "outside the file or of the wrong size")
-
-
-def test_a_shard_index_entry_marked_absent_is_missing_data_not_zeros(tmp_path, small_inner_chunks):
-    path, tree = _saved(tmp_path)
-    (shard,) = _shards(_folder(path, "w"))
-    entries = _entries(shard, 4)
-    entries[2] = [2**64 - 1, 2**64 - 1]
-    _write_entries(shard, entries)
-    _refused(path, tree, "w", "missing")
+    _refused(path, tree, "w", entry[2])
 
 
 @pytest.mark.parametrize("keep", [0, 1, 100, "all but the last byte", "all but the index"])
