@@ -138,9 +138,9 @@ class Bound(NamedTuple):
     each inner chunk by its own CRC-32C, with its data store's checksums of its shards."""
 
     store: Any  # the reader's array
-    at: Any  # its InArray record
     crcs: Mapping[int, tuple[int, ...]]
     shape: tuple[int, ...]  # the array's
+    shard: tuple[int, ...]  # its shard shape (the index's chunks)
 
     def check(self, name: str, read: Pending, region: tuple[slice, ...]) -> _CheckedRead:
         """``read`` (of ``region``), whose chunks that lie wholly inside the region are checked against
@@ -158,7 +158,7 @@ class _CheckedRead(NamedTuple):
         data = self.read.result()
         shape = self.bound.shape
         box = [s.indices(n)[:2] for s, n in zip(self.region, shape)]
-        wrong = misplaced_chunk(data, box, shape, self.bound.at.chunks or (), self.bound.crcs)
+        wrong = misplaced_chunk(data, box, shape, self.bound.shard, self.bound.crcs)
         if wrong is not None:
             raise CheckpointCorruptedError(f"Cannot read {self.name}: {wrong}. The checkpoint's files are damaged.")
         return data

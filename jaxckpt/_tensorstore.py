@@ -374,7 +374,9 @@ class Reader:
             stored = _raw(at.stored) if by_bits else at.stored
             _check_open(key, at.path, store, leaf.shape, stored, padded=self._sharded)
             opened = _Raw(store, _zarr_meta.numpy_dtype(at.stored)) if by_bits else store
-            stores[key] = _checksums.Bound(opened, at, crcs[at.path], leaf.shape) if at.path in crcs else opened
+            stores[key] = (
+                _checksums.Bound(opened, crcs[at.path], leaf.shape, at.chunks or ()) if at.path in crcs else opened
+            )
         return stores
 
     def _check_metadata(self, key: str, path: str, expected: dict[str, Any]) -> None:
