@@ -7,6 +7,7 @@ index as JSON.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -51,6 +52,10 @@ MAX_CHUNK_BYTES = 256 << 20
 # Nesting depth of the node graph. Restores rebuild trees recursively, about two Python frames a
 # level, so a deeper graph would exhaust the interpreter's stack; no real model comes near it.
 MAX_DEPTH = 256
+# The grid that the distinct boundaries of an array's listed regions cut it into has at most this
+# many cells: a save lists one region per shard of a sharding, which form a grid of at most one cell
+# per device. A bound on the work and memory of checking that they tile the array.
+MAX_REGION_CELLS = 1 << 22
 
 # Container of an array leaf: how it comes back without a template.
 Container = Literal["jax", "numpy", "numpy_scalar"]
@@ -305,6 +310,33 @@ def pieces(at: InArray, shape: tuple[int, ...], want: Box) -> list[tuple[str, Bo
             if all(lo < hi for lo, hi in overlap) or (not overlap and not out):
                 out.append((store, overlap))
     return out
+
+
+def tiling_problem(boxes: list[Box], shape: tuple[int, ...] | list[int]) -> str | None:
+    """What keeps ``boxes`` (each within ``shape``) from covering every element of it exactly once,
+    or None. Overlapping boxes whose volumes add up can hide a gap, and a gap is read from memory
+    that nothing wrote. Checked on the grid of the boxes' distinct boundaries (one cell per box for
+    the regions of a sharding), in time and memory bounded by :data:`MAX_REGION_CELLS`."""
+    boxes = [box for box in boxes if all(lo < hi for lo, hi in box)]  # an empty box covers nothing
+    edges = [sorted({0, n, *(box[d][0] for box in boxes), *(box[d][1] for box in boxes)}) for d, n in enumerate(shape)]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > MAX_REGION_CELLS:
+        return (
+            f"its {len(boxes)} regions cut it into a grid of {cells:,} cells, more than the {MAX_REGION_CELLS:,} "
+            "that the regions of any sharding make"
+        )
+    spans = [
+        [(bisect.bisect_left(e, lo), bisect.bisect_left(e, hi)) for e, (lo, hi) in zip(edges, box)] for box in boxes
+    ]
+    covered = sum(math.prod(b - a for a, b in span) for span in spans)
+    if covered != cells:  # then some cell is covered twice, or some never
+        return f"its regions {'overlap' if covered > cells else 'leave part of it uncovered'}"
+    grid = np.zeros([len(e) - 1 for e in edges], np.uint8)
+    for span in spans:  # as many cells painted as there are: a count that wraps still leaves a 0
+        grid[tuple(slice(a, b) for a, b in span)] += 1
+    if (grid != 1).any():
+        return "its regions overlap and leave part of it uncovered"
+    return None
 
 
 def regions(at: InArray, shape: tuple[int, ...]) -> dict[str, list[Box]]:

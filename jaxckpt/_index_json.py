@@ -43,6 +43,7 @@ from jaxckpt._format import (
     is_container,
     is_scalar_type,
     prng_key_data_shape,
+    tiling_problem,
 )
 from jaxckpt._tree import CHECKPOINT as CHECKPOINT_KIND
 from jaxckpt._tree import NodeInfo, child_keys, describe, gc_paused, is_node_kind
@@ -445,7 +446,6 @@ def _parse_regions(raw: Any, shape: list[int], where: object) -> dict[str, list[
     if not isinstance(raw, dict):
         raise _fail(where, "field 'regions' is not an object")
     out: dict[str, list[list[tuple[int, int]]]] = {}
-    volume = 0
     for store, regions in raw.items():
         if not _STORE.match(store):
             raise _fail(where, f"data store {store!r} is not of the form 'data' or 'data.p<n>'")
@@ -461,10 +461,10 @@ def _parse_regions(raw: Any, shape: list[int], where: object) -> dict[str, list[
             if not ok:
                 raise _fail(where, f"region {region!r} of {store!r} does not lie within shape {tuple(shape)}")
             parsed.append([(a, b) for a, b in region])
-            volume += math.prod(b - a for a, b in region)
         out[store] = parsed
-    if volume != math.prod(shape):
-        raise _fail(where, f"its regions cover {volume} elements of the {math.prod(shape)} in shape {tuple(shape)}")
+    problem = tiling_problem([box for boxes in out.values() for box in boxes], shape)
+    if problem:
+        raise _fail(where, f"{problem}: they must hold every element of shape {tuple(shape)} exactly once")
     return out
 
 

@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxckpt import _tensorstore
-from jaxckpt._format import DATA_DIR, InArray, pieces
+from jaxckpt._errors import CheckpointFormatError
+from jaxckpt._format import DATA_DIR, InArray, pieces, tiling_problem
 from jaxckpt._in_flight import Pending
 
 # Byte gaps up to this size between wanted pack spans are read through rather than split.
@@ -49,15 +50,20 @@ def plan_region(at: InArray, shape: tuple[int, ...], index: Region) -> RegionPla
     region_shape = tuple(hi - lo for lo, hi in want)
     if at.regions is None and at.layout is None:
         return RegionPlan(region_shape, [Part(DATA_DIR, index, None)])
+    parts = pieces(at, shape, want)
+    into = [[(lo - w, hi - w) for (lo, hi), (w, _) in zip(box, want)] for _, box in parts]
+    # The index's parser checked that the regions tile the array; a region read from parts that do
+    # not tile it would come back with a part that nothing wrote (uninitialised memory).
+    problem = tiling_problem(into, region_shape)
+    if problem:
+        raise CheckpointFormatError(
+            f"Cannot read region {want} of the array {at.path!r} in the checkpoint: {problem}. Its index is crafted."
+        )
     return RegionPlan(
         region_shape,
         [
-            Part(
-                store,
-                tuple(slice(lo, hi) for lo, hi in box),
-                tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(box, want)),
-            )
-            for store, box in pieces(at, shape, want)
+            Part(store, tuple(slice(lo, hi) for lo, hi in box), tuple(slice(lo, hi) for lo, hi in local))
+            for (store, box), local in zip(parts, into)
         ],
     )
 
