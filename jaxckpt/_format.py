@@ -331,9 +331,10 @@ def tiling_problem(boxes: list[Box], shape: tuple[int, ...] | list[int]) -> str 
     covered = sum(math.prod(b - a for a, b in span) for span in spans)
     if covered != cells:  # then some cell is covered twice, or some never
         return f"its regions {'overlap' if covered > cells else 'leave part of it uncovered'}"
-    grid = np.zeros([len(e) - 1 for e in edges], np.uint8)
+    cut = [d for d, e in enumerate(edges) if len(e) > 2]  # dimensions of one cell do not matter
+    grid = np.zeros([len(edges[d]) - 1 for d in cut], np.uint8)
     for span in spans:  # as many cells painted as there are: a count that wraps still leaves a 0
-        grid[tuple(slice(a, b) for a, b in span)] += 1
+        grid[tuple(slice(*span[d]) for d in cut)] += 1
     if (grid != 1).any():
         return "its regions overlap and leave part of it uncovered"
     return None

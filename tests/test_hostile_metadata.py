@@ -86,3 +86,10 @@ def test_a_region_read_from_parts_that_do_not_tile_it_is_refused():
     at = _format.InArray("a/3", "int16", {"data.p1": [[(3, 6), (0, 1)], [(3, 6), (0, 1)]], "data": [[(0, 3), (0, 2)]]})
     with pytest.raises(jaxckpt.CheckpointFormatError, match="a/3"):
         _read_plan.plan_region(at, (6, 2), (slice(0, 6), slice(0, 2)))
+
+
+def test_tiling_problem_of_a_high_rank_array():
+    shape = (2,) * 20 + (1,) * 44
+    halves = [[(0, 1)] + [(0, n) for n in shape[1:]], [(1, 2)] + [(0, n) for n in shape[1:]]]
+    assert _format.tiling_problem(halves, shape) is None
+    assert "overlap" in _format.tiling_problem([halves[0], halves[0]], shape)
