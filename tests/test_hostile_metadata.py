@@ -6,7 +6,11 @@ host; and a legitimate checkpoint with many small shards still restores.
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import zlib
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _cli, _format, _read_plan
+from jaxckpt import _cli, _format, _read_plan, _tensorstore
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -93,3 +97,88 @@ def test_tiling_problem_of_a_high_rank_array():
     halves = [[(0, 1)] + [(0, n) for n in shape[1:]], [(1, 2)] + [(0, n) for n in shape[1:]]]
     assert _format.tiling_problem(halves, shape) is None
     assert "overlap" in _format.tiling_problem([halves[0], halves[0]], shape)
+
+
+# --- hostile calls run in a child: a hang or an exhausted host must not take the test run along --
+
+
+_CHILD_PREAMBLE = """
+import resource, sys
+import jaxckpt
+from jaxckpt import _cli
+with open("/proc/self/statm") as f:
+    used = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + {headroom}, resource.getrlimit(resource.RLIMIT_AS)[1]))
+path = sys.argv[1]
+"""
+
+
+def _in_child(script: str, path: Path, *, timeout: float = 120, headroom: int = 3 << 29) -> str:
+    """Run ``script`` (with ``path`` and jaxckpt's ``_cli`` at hand) in a fresh interpreter under
+    RLIMIT_AS (its address space after imports plus ``headroom``: 1.5 GiB) and ``timeout``; its output."""
+    code = _CHILD_PREAMBLE.format(headroom=headroom) + textwrap.dedent(script)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=timeout, env=env
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s: the metadata made jaxckpt loop or read without end")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+# --- 5. geometry derived from huge numbers is bounded in time -------------------------------------
+
+
+def _own_array(tmp_path: Path, value: np.ndarray) -> Path:
+    """A checkpoint of ``value`` under the key 'w', stored as an array of its own (a/0)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+        return Path(jaxckpt.save(tmp_path / "c", {"w": value}))
+
+
+def _reshape(path: Path, shape: list[int], shard: list[int], inner: list[int]) -> None:
+    """Give the array 'w' (a/0) another shape and shard shape, in its index record and its zarr.json
+    alike (``inner``: its inner chunk shape, as the format derives it from the shard)."""
+    body = _index(path)
+    body["leaves"]["w"]["shape"] = shape
+    body["leaves"]["w"]["at"]["chunks"] = shard
+    _write_index(path, body)
+    meta_file = path / "data" / "a" / "0" / "zarr.json"
+    meta = json.loads(meta_file.read_text())
+    meta["shape"] = shape
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = shard
+    meta["codecs"][0]["configuration"]["chunk_shape"] = inner
+    meta_file.write_text(json.dumps(meta))
+
+
+def test_an_empty_array_of_a_huge_dimension_is_restored_verified_and_shown_at_once(tmp_path):
+    # Shape (0, 2**62) of uint8: a shard of (1, 2**62), cut into inner chunks of 8 MiB, (1, 2**23).
+    path = _own_array(tmp_path, np.zeros((0, 4), np.uint8))
+    _reshape(path, [0, 2**62], [1, 2**62], [1, 2**23])
+    out = _in_child(
+        """
+        w = jaxckpt.restore(path)["w"]
+        print("restored", w.shape, w.dtype)
+        print("verify", _cli.main(["verify", path]))
+        print("show", _cli.main(["show", path, "w"]))
+        """,
+        path,
+    )
+    assert f"restored (0, {2**62}) uint8" in out and "verify 0" in out and "show 0" in out, out
+
+
+def test_a_shape_that_numpy_cannot_hold_is_refused(tmp_path):
+    path = _own_array(tmp_path, np.zeros((0, 4), np.float32))
+    _reshape(path, [0, 2**62], [1, 2**62], [1, 2**21])  # 2**64 bytes a row: numpy's limit is 2**63
+    out = _in_child(
+        """
+        try:
+            jaxckpt.restore(path)
+        except jaxckpt.CheckpointFormatError as e:
+            print("refused", e)
+        """,
+        path,
+    )
+    assert "refused" in out and "'w'" in out and "shape" in out, out
