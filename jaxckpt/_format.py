@@ -47,6 +47,9 @@ MAX_MESHES = 4096
 
 
 MAX_RANK = 64
+# The product of an array's nonzero dimensions times its itemsize is below this: numpy can make no
+# larger array, not even an empty one, and the geometry derived from a shape stays within uint64.
+MAX_ARRAY_SPAN = 1 << 63
 # A chunk is read into memory whole: a crafted chunk shape must not ask for more than this.
 MAX_CHUNK_BYTES = 256 << 20
 # Nesting depth of the node graph. Restores rebuild trees recursively, about two Python frames a

@@ -23,6 +23,7 @@ from jaxckpt._format import (
     DTYPES,
     FORMAT_NAME,
     FORMAT_VERSION,
+    MAX_ARRAY_SPAN,
     MAX_CHUNK_BYTES,
     MAX_DEPTH,
     MAX_DEVICES,
@@ -398,6 +399,8 @@ def _parse_leaf(raw: Any, packs: list[Pack], meshes: list[MeshRecord], version: 
     shape = _get(raw, "shape", list, where)
     if len(shape) > MAX_RANK or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise _fail(where, f"shape {shape!r} is not a list of non-negative integers")
+    if math.prod(d for d in shape if d) * dtype.itemsize >= MAX_ARRAY_SPAN:  # numpy's own limit, even if empty
+        raise _fail(where, f"shape {tuple(shape)} of {name} is larger than any array can be (2**63 bytes)")
     container = _get(raw, "container", str, where)
     if not is_container(container):
         raise _fail(where, f"unknown container {container!r}")

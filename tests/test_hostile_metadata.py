@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _cli, _format, _read_plan, _tensorstore
+from jaxckpt import _cli, _format, _read_plan, _tensorstore, _zarr_meta
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -182,3 +182,22 @@ def test_a_shape_that_numpy_cannot_hold_is_refused(tmp_path):
         path,
     )
     assert "refused" in out and "'w'" in out and "shape" in out, out
+
+
+def test_the_bounded_divisor_search_finds_what_the_format_always_derived():
+    """The inner chunk shape is part of the format: the search bounded in time must give the rows an
+    inner chunk holds exactly as before, the largest divisor of the size that fits, unless that is
+    over ``_TOO_FINE`` times too small."""
+
+    def reference(n: int, rows: int) -> int | None:
+        best = max(d for d in range(1, min(n, rows) + 1) if n % d == 0)
+        return best if best * _zarr_meta._TOO_FINE >= rows else None
+
+    for rows in (1, 2, 3, 7, 8, 9, 17, 64, 100, 1000):
+        for n in range(1, 700):
+            assert _zarr_meta._divisor(n, rows) == reference(n, rows), (n, rows)
+    assert _zarr_meta._divisor(3_000_000, 2**21) == 1_500_000
+    assert _zarr_meta._divisor(2**62, 2**23) == 2**23
+    assert _zarr_meta._divisor(2**61 - 1, 2**23) is None  # a prime: no chunk of it fits
+    assert _zarr_meta.inner_chunk_shape([1000, 4096], 4) == (500, 4096)  # 512 rows fit
+    assert _zarr_meta.shard_shape([1009, 4096], [1009, 4096], 4) == (1024, 4096)  # prime: padded
