@@ -14,8 +14,11 @@ import textwrap
 import zlib
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _cli, _format, _read_plan, _tensorstore, _zarr_meta
@@ -201,3 +204,59 @@ def test_the_bounded_divisor_search_finds_what_the_format_always_derived():
     assert _zarr_meta._divisor(2**61 - 1, 2**23) is None  # a prime: no chunk of it fits
     assert _zarr_meta.inner_chunk_shape([1000, 4096], 4) == (500, 4096)  # 512 rows fit
     assert _zarr_meta.shard_shape([1009, 4096], [1009, 4096], 4) == (1024, 4096)  # prime: padded
+
+
+# --- 6. tiny shards and chunks: the objects a read plans are bounded by the bytes held ------------
+
+
+_RESTORE_AND_VERIFY = """
+try:
+    jaxckpt.restore(path)
+    print("restored")
+except jaxckpt.JaxckptError as e:
+    print("refused:", type(e).__name__, e)
+print("verify", _cli.main(["verify", path]))
+"""
+
+
+def test_an_array_cut_into_a_million_one_element_shards_is_refused_before_planning(tmp_path):
+    # 4 MB of float32 in one shard file, claimed to be a million shard files of one element each:
+    # planning each one's read took 4.6 KB of memory and 30 us, before any file was opened.
+    path = _own_array(tmp_path, np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024))
+    _reshape(path, [1024, 1024], [1, 1], [1, 1])
+    out = _in_child(_RESTORE_AND_VERIFY, path)
+    assert "refused: CheckpointCorruptedError" in out and "'w'" in out and "verify 1" in out, out
+
+
+def test_a_pack_cut_into_one_byte_chunks_is_refused_before_planning(tmp_path):
+    # Eight leaves of 1 MB packed together: one shard of two 4 MiB inner chunks, claimed to be eight
+    # million chunks of one byte.
+    tree = {f"w{i}": np.full(250_000, i, np.float32) for i in range(8)}
+    path = Path(jaxckpt.save(tmp_path / "c", tree))
+    body = _index(path)
+    assert [(p["nbytes"] >= 8_000_000, p["chunk"]) for p in body["packs"]] == [(True, 4 << 20)]
+    body["packs"][0]["chunk"] = 1
+    _write_index(path, body)
+    meta_file = path / "data" / "p" / "0" / "zarr.json"
+    meta = json.loads(meta_file.read_text())
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [body["packs"][0]["nbytes"]]  # one chunk fills it
+    meta["codecs"][0]["configuration"]["chunk_shape"] = [1]
+    meta_file.write_text(json.dumps(meta))
+    out = _in_child(_RESTORE_AND_VERIFY, path)
+    assert "refused: CheckpointFormatError" in out and "chunk" in out and "verify 1" in out, out
+
+
+@pytest.mark.parametrize("saved, restored", [(("x",), (None, "x")), (("x", None), ("x", None)), ((None, "x"), ("x",))])
+def test_an_array_in_many_small_shards_restores(tmp_path, small_packs, saved, restored):
+    """A (64, 64) int8 array sharded over the 8 devices: 8 shard files of 512 bytes, each mostly its
+    own index and checksums. Restored onto another sharding, every device reads from all 8."""
+    mesh = jax.make_mesh((8,), ("x",))
+    value = np.arange(64 * 64, dtype=np.int32).astype(np.int8).reshape(64, 64)
+    x = jax.device_put(value, NamedSharding(mesh, P(*saved)))
+    path = Path(jaxckpt.save(tmp_path / "c", {"w": x}))
+    assert len([f for f in (path / "data" / "a" / "0" / "c").rglob("*") if f.is_file()]) == 8
+    like = {"w": jax.ShapeDtypeStruct((64, 64), np.int8, sharding=NamedSharding(mesh, P(*restored)))}
+    got = jaxckpt.restore(path, like=like)["w"]
+    np.testing.assert_array_equal(np.asarray(got), value)
+    assert got.sharding == like["w"].sharding
+    assert _cli.main(["verify", str(path)]) == 0
