@@ -52,6 +52,12 @@ MAX_RANK = 64
 MAX_ARRAY_SPAN = 1 << 63
 # A chunk is read into memory whole: a crafted chunk shape must not ask for more than this.
 MAX_CHUNK_BYTES = 256 << 20
+# Shards of one array (format version 4): a save writes at most one per device. A read plans each
+# shard it touches before opening a file, so a crafted shard shape must not imply millions.
+MAX_SHARDS = MAX_DEVICES
+# Packs are cut into inner chunks of 4 MiB (PACK_CHUNK_BYTES), or one of the whole pack, and always
+# were; a read plans each chunk it touches, so a crafted pack must not be cut into bytes.
+MIN_PACK_CHUNK_BYTES = 64 << 10
 # Nesting depth of the node graph. Restores rebuild trees recursively, about two Python frames a
 # level, so a deeper graph would exhaust the interpreter's stack; no real model comes near it.
 MAX_DEPTH = 256
@@ -341,6 +347,35 @@ def tiling_problem(boxes: list[Box], shape: tuple[int, ...] | list[int]) -> str 
     if (grid != 1).any():
         return "its regions overlap and leave part of it uncovered"
     return None
+
+
+def grid_cells(boxes: list[Box], step: tuple[int, ...]) -> int:
+    """How many cells of the regular grid of ``step`` the union of ``boxes`` touches: exactly when
+    the boxes cut it into few pieces, else at least (the most that one box touches)."""
+    cells = {
+        tuple((lo // s, -(-hi // s)) for (lo, hi), s in zip(box, step))
+        for box in boxes
+        if all(lo < hi for lo, hi in box)
+    }
+    if len(cells) <= 1:
+        return math.prod(b - a for a, b in next(iter(cells))) if cells else 0
+    edges = [sorted({e for box in cells for e in box[d]}) for d in range(len(step))]
+    cut = [d for d, e in enumerate(edges) if len(e) > 2]
+    if math.prod(len(edges[d]) - 1 for d in cut) > _UNION_PIECES:
+        return max(math.prod(b - a for a, b in box) for box in cells)
+    covered = np.zeros([len(edges[d]) - 1 for d in cut], bool)
+    for box in cells:
+        covered[
+            tuple(slice(bisect.bisect_left(edges[d], box[d][0]), bisect.bisect_left(edges[d], box[d][1])) for d in cut)
+        ] = True
+    whole = math.prod(e[1] - e[0] for d, e in enumerate(edges) if d not in cut)
+    return whole * sum(
+        math.prod(edges[d][i + 1] - edges[d][i] for d, i in zip(cut, piece)) for piece in np.argwhere(covered).tolist()
+    )
+
+
+# Pieces of the union of boxes that :func:`grid_cells` counts one by one.
+_UNION_PIECES = 1 << 16
 
 
 def regions(at: InArray, shape: tuple[int, ...]) -> dict[str, list[Box]]:

@@ -47,6 +47,10 @@ def _divisor(n: int, rows: int) -> int | None:
     if lo > hi:
         return None
     co_lo, co_hi = -(-n // hi), n // lo  # the cofactors of divisors from lo to hi
+    if min(hi - lo, co_hi - co_lo) < _BLOCK >> 8:  # too few for numpy's overhead to pay
+        if hi - lo <= co_hi - co_lo:
+            return next((d for d in range(hi, lo - 1, -1) if n % d == 0), None)
+        return next((n // e for e in range(co_lo, co_hi + 1) if n % e == 0), None)
     if hi - lo <= co_hi - co_lo:
         for top in range(hi, lo - 1, -_BLOCK):
             candidates = np.arange(max(lo, top - _BLOCK + 1), top + 1, dtype=np.uint64)

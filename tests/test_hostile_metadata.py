@@ -260,3 +260,26 @@ def test_an_array_in_many_small_shards_restores(tmp_path, small_packs, saved, re
     np.testing.assert_array_equal(np.asarray(got), value)
     assert got.sharding == like["w"].sharding
     assert _cli.main(["verify", str(path)]) == 0
+
+
+def test_an_array_cut_into_more_shards_than_any_save_writes_is_refused_by_the_parser(tmp_path):
+    path = _own_array(tmp_path, np.zeros((1100, 1000), np.uint8))
+    _reshape(path, [1100, 1000], [1, 1], [1, 1])  # 1.1 million shards: more than one per device of any index
+    out = _in_child(_RESTORE_AND_VERIFY, path)
+    assert "refused: CheckpointFormatError" in out and "'w'" in out and "1,048,576 shards" in out, out
+
+
+@pytest.mark.parametrize(
+    "boxes, step, cells",
+    [
+        ([], (4, 4), 0),
+        ([[(0, 8), (0, 8)]], (4, 4), 4),
+        ([[(1, 3), (0, 8)]], (4, 4), 2),  # part of a shard touches all of it
+        ([[(0, 8), (8 * i, 8 * i + 8)] for i in range(8)], (8, 64), 1),  # eight columns of one shard
+        ([[(8 * j, 8 * j + 8), (8 * i, 8 * i + 8)] for i in range(8) for j in range(8)], (8, 64), 8),
+        ([[(0, 4), (0, 4)], [(2, 6), (2, 6)]], (1, 1), 16 + 16 - 4),
+        ([[(0, 0), (0, 4)]], (1, 1), 0),
+    ],
+)
+def test_grid_cells_counts_the_shards_a_read_touches_once(boxes, step, cells):
+    assert _format.grid_cells(boxes, step) == cells
