@@ -7,6 +7,7 @@ index as JSON.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -51,11 +52,24 @@ MAX_MESHES = 4096
 
 
 MAX_RANK = 64
+# The product of an array's nonzero dimensions times its itemsize is below this: numpy can make no
+# larger array, not even an empty one, and the geometry derived from a shape stays within uint64.
+MAX_ARRAY_SPAN = 1 << 63
 # A chunk is read into memory whole: a crafted chunk shape must not ask for more than this.
 MAX_CHUNK_BYTES = 256 << 20
+# Shards of one array (format version 4): a save writes at most one per device. A read plans each
+# shard it touches before opening a file, so a crafted shard shape must not imply millions.
+MAX_SHARDS = MAX_DEVICES
+# Packs are cut into inner chunks of 4 MiB (PACK_CHUNK_BYTES), or one of the whole pack, and always
+# were; a read plans each chunk it touches, so a crafted pack must not be cut into bytes.
+MIN_PACK_CHUNK_BYTES = 64 << 10
 # Nesting depth of the node graph. Restores rebuild trees recursively, about two Python frames a
 # level, so a deeper graph would exhaust the interpreter's stack; no real model comes near it.
 MAX_DEPTH = 256
+# The grid that the distinct boundaries of an array's listed regions cut it into has at most this
+# many cells: a save lists one region per shard of a sharding, which form a grid of at most one cell
+# per device. A bound on the work and memory of checking that they tile the array.
+MAX_REGION_CELLS = 1 << 22
 
 # Container of an array leaf: how it comes back without a template.
 Container = Literal["jax", "numpy", "numpy_scalar"]
@@ -312,6 +326,63 @@ def pieces(at: InArray, shape: tuple[int, ...], want: Box) -> list[tuple[str, Bo
             if all(lo < hi for lo, hi in overlap) or (not overlap and not out):
                 out.append((store, overlap))
     return out
+
+
+def tiling_problem(boxes: list[Box], shape: tuple[int, ...] | list[int]) -> str | None:
+    """What keeps ``boxes`` (each within ``shape``) from covering every element of it exactly once,
+    or None. Overlapping boxes whose volumes add up can hide a gap, and a gap is read from memory
+    that nothing wrote. Checked on the grid of the boxes' distinct boundaries (one cell per box for
+    the regions of a sharding), in time and memory bounded by :data:`MAX_REGION_CELLS`."""
+    boxes = [box for box in boxes if all(lo < hi for lo, hi in box)]  # an empty box covers nothing
+    edges = [sorted({0, n, *(box[d][0] for box in boxes), *(box[d][1] for box in boxes)}) for d, n in enumerate(shape)]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > MAX_REGION_CELLS:
+        return (
+            f"its {len(boxes)} regions cut it into a grid of {cells:,} cells, more than the {MAX_REGION_CELLS:,} "
+            "that the regions of any sharding make"
+        )
+    spans = [
+        [(bisect.bisect_left(e, lo), bisect.bisect_left(e, hi)) for e, (lo, hi) in zip(edges, box)] for box in boxes
+    ]
+    covered = sum(math.prod(b - a for a, b in span) for span in spans)
+    if covered != cells:  # then some cell is covered twice, or some never
+        return f"its regions {'overlap' if covered > cells else 'leave part of it uncovered'}"
+    cut = [d for d, e in enumerate(edges) if len(e) > 2]  # dimensions of one cell do not matter
+    grid = np.zeros([len(edges[d]) - 1 for d in cut], np.uint8)
+    for span in spans:  # as many cells painted as there are: a count that wraps still leaves a 0
+        grid[tuple(slice(*span[d]) for d in cut)] += 1
+    if (grid != 1).any():
+        return "its regions overlap and leave part of it uncovered"
+    return None
+
+
+def grid_cells(boxes: list[Box], step: tuple[int, ...]) -> int:
+    """How many cells of the regular grid of ``step`` the union of ``boxes`` touches: exactly when
+    the boxes cut it into few pieces, else at least (the most that one box touches)."""
+    cells = {
+        tuple((lo // s, -(-hi // s)) for (lo, hi), s in zip(box, step))
+        for box in boxes
+        if all(lo < hi for lo, hi in box)
+    }
+    if len(cells) <= 1:
+        return math.prod(b - a for a, b in next(iter(cells))) if cells else 0
+    edges = [sorted({e for box in cells for e in box[d]}) for d in range(len(step))]
+    cut = [d for d, e in enumerate(edges) if len(e) > 2]
+    if math.prod(len(edges[d]) - 1 for d in cut) > _UNION_PIECES:
+        return max(math.prod(b - a for a, b in box) for box in cells)
+    covered = np.zeros([len(edges[d]) - 1 for d in cut], bool)
+    for box in cells:
+        covered[
+            tuple(slice(bisect.bisect_left(edges[d], box[d][0]), bisect.bisect_left(edges[d], box[d][1])) for d in cut)
+        ] = True
+    whole = math.prod(e[1] - e[0] for d, e in enumerate(edges) if d not in cut)
+    return whole * sum(
+        math.prod(edges[d][i + 1] - edges[d][i] for d, i in zip(cut, piece)) for piece in np.argwhere(covered).tolist()
+    )
+
+
+# Pieces of the union of boxes that :func:`grid_cells` counts one by one.
+_UNION_PIECES = 1 << 16
 
 
 def regions(at: InArray, shape: tuple[int, ...]) -> dict[str, list[Box]]:

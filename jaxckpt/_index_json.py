@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from jaxckpt import _format
 from jaxckpt._checked_json import check_checksum, checksummed_json
 from jaxckpt._errors import (
     CheckpointCorruptedError,
@@ -307,8 +308,9 @@ def _parse_pack(raw: Any, version: int, where: str) -> Pack:
     if version < 2:
         return Pack(path, nbytes)
     chunk = _nonneg_int(raw, "chunk", where)
-    if not 1 <= chunk <= max(1, min(nbytes, MAX_CHUNK_BYTES)):
-        raise _fail(where, f"chunk of {chunk} bytes does not fit a pack of {nbytes} bytes")
+    low, high = max(1, min(nbytes, _format.MIN_PACK_CHUNK_BYTES)), max(1, min(nbytes, MAX_CHUNK_BYTES))
+    if not low <= chunk <= high:  # jaxckpt cuts packs into chunks of 4 MiB, or one of the whole pack
+        raise _fail(where, f"chunk of {chunk} bytes does not fit a pack of {nbytes} bytes ({low:,} to {high:,})")
     return Pack(path, nbytes, chunk)
 
 
@@ -319,9 +321,10 @@ def _parse_chunks(raw: Any, shape: list[int], itemsize: int, version: int, where
     ok = isinstance(raw, list) and len(raw) == len(shape)
     if version >= 4:
         ok = ok and all(type(c) is int and 1 <= c <= 2 * max(1, n) for c, n in zip(raw, shape))
-        if ok:
+        shards = math.prod(-(-max(1, n) // c) for c, n in zip(raw, shape)) if ok else 0
+        if ok and shards <= _format.MAX_SHARDS:  # a save writes one shard per device at most
             return tuple(raw)
-        raise _fail(where, f"shard shape {raw!r} does not fit shape {tuple(shape)}")
+        raise _fail(where, f"shard shape {raw!r} does not fit shape {tuple(shape)} in {_format.MAX_SHARDS:,} shards")
     ok = ok and all(type(c) is int and 1 <= c <= max(1, n) for c, n in zip(raw, shape))
     if not ok or math.prod(raw) * itemsize > MAX_CHUNK_BYTES:
         raise _fail(
@@ -366,6 +369,8 @@ def _parse_leaf(raw: Any, packs: list[Pack], meshes: list[MeshRecord], version: 
     shape = _get(raw, "shape", list, where)
     if len(shape) > MAX_RANK or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise _fail(where, f"shape {shape!r} is not a list of non-negative integers")
+    if math.prod(d for d in shape if d) * dtype.itemsize >= _format.MAX_ARRAY_SPAN:  # numpy's own limit, even if empty
+        raise _fail(where, f"shape {tuple(shape)} of {name} is larger than any array can be (2**63 bytes)")
     container = _get(raw, "container", str, where)
     if not is_container(container):
         raise _fail(where, f"unknown container {container!r}")
@@ -414,7 +419,6 @@ def _parse_regions(raw: Any, shape: list[int], where: object) -> dict[str, list[
     if not isinstance(raw, dict):
         raise _fail(where, "field 'regions' is not an object")
     out: dict[str, list[list[tuple[int, int]]]] = {}
-    volume = 0
     for store, regions in raw.items():
         if not _STORE.match(store):
             raise _fail(where, f"data store {store!r} is not of the form 'data' or 'data.p<n>'")
@@ -430,10 +434,9 @@ def _parse_regions(raw: Any, shape: list[int], where: object) -> dict[str, list[
             if not ok:
                 raise _fail(where, f"region {region!r} of {store!r} does not lie within shape {tuple(shape)}")
             parsed.append([(a, b) for a, b in region])
-            volume += math.prod(b - a for a, b in region)
         out[store] = parsed
-    if volume != math.prod(shape):
-        raise _fail(where, f"its regions cover {volume} elements of the {math.prod(shape)} in shape {tuple(shape)}")
+    if problem := _format.tiling_problem([box for boxes in out.values() for box in boxes], shape):
+        raise _fail(where, f"{problem}: they must hold every element of shape {tuple(shape)} exactly once")
     return out
 
 

@@ -13,11 +13,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxckpt import _tensorstore
-from jaxckpt._format import DATA_DIR, InArray, pieces
+from jaxckpt._errors import CheckpointFormatError
+from jaxckpt._format import DATA_DIR, Box, InArray, grid_cells, pieces, tiling_problem
 from jaxckpt._in_flight import Pending
+from jaxckpt._zarr_meta import inner_chunk_shape
 
 # Byte gaps up to this size between wanted pack spans are read through rather than split.
 SPAN_GAP = 1 << 20
+# Format version 4's shard files (see jaxckpt._zarr_local): each inner chunk ends in a CRC-32C (not
+# in packs), and the file in an index of (offset, size) per inner chunk, then its own CRC-32C.
+_CRC = 4
+_INDEX_ENTRY = 16
 
 Region = tuple[slice, ...]  # a region of an array, as numpy indexes it
 RegionKey = tuple[tuple[Any, Any, Any], ...]  # a region as a dict key (slices are not hashable)
@@ -49,17 +55,38 @@ def plan_region(at: InArray, shape: tuple[int, ...], index: Region) -> RegionPla
     region_shape = tuple(hi - lo for lo, hi in want)
     if at.regions is None and at.layout is None:
         return RegionPlan(region_shape, [Part(DATA_DIR, index, None)])
+    parts = pieces(at, shape, want)
+    into = [[(lo - w, hi - w) for (lo, hi), (w, _) in zip(box, want)] for _, box in parts]
+    # The index's parser checked that the regions tile the array; a region read from parts that do
+    # not tile it would come back with a part that nothing wrote (uninitialised memory).
+    problem = tiling_problem(into, region_shape)
+    if problem:
+        raise CheckpointFormatError(
+            f"Cannot read region {want} of the array {at.path!r} in the checkpoint: {problem}. Its index is crafted."
+        )
     return RegionPlan(
         region_shape,
         [
-            Part(
-                store,
-                tuple(slice(lo, hi) for lo, hi in box),
-                tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(box, want)),
-            )
-            for store, box in pieces(at, shape, want)
+            Part(store, tuple(slice(lo, hi) for lo, hi in box), tuple(slice(lo, hi) for lo, hi in local))
+            for (store, box), local in zip(parts, into)
         ],
     )
+
+
+def files_overhead(at: InArray, itemsize: int, boxes: list[Box]) -> int:
+    """The fewest bytes besides their values that the shard files holding ``boxes`` of an array of
+    format version 4 have: every shard touched is a file of all its inner chunks, each with its
+    checksum, and its index. What a read of them claims of its data store before it plans a read of
+    each shard (see :meth:`jaxckpt._reader.Opened._check_backed`)."""
+    assert at.chunks is not None  # version 4 indexes record every shard shape
+    inner = inner_chunk_shape(at.chunks, itemsize)
+    chunks = math.prod(s // c for s, c in zip(at.chunks, inner))
+    return grid_cells(boxes, at.chunks) * ((_INDEX_ENTRY + _CRC) * chunks + _CRC)
+
+
+def pack_overhead(nbytes: int, chunk: int) -> int:
+    """The bytes of the index of a pack's one shard file (format version 4)."""
+    return _INDEX_ENTRY * max(1, -(-nbytes // chunk)) + _CRC
 
 
 def stores_in(plans: Iterable[RegionPlan]) -> set[str]:

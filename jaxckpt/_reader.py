@@ -29,7 +29,18 @@ from jaxckpt._errors import (
     NotACheckpointError,
     UnsupportedValueError,
 )
-from jaxckpt._format import CHECKSUMS_FILE, DATA_DIR, INDEX_FILE, ArrayLeaf, InArray, Index, InForeign, InPack, Leaf
+from jaxckpt._format import (
+    CHECKSUMS_FILE,
+    DATA_DIR,
+    INDEX_FILE,
+    ArrayLeaf,
+    Box,
+    InArray,
+    Index,
+    InForeign,
+    InPack,
+    Leaf,
+)
 from jaxckpt._in_flight import READ_AHEAD_BYTES, InFlight, Pending
 from jaxckpt._index_json import decode_index
 from jaxckpt._read_plan import (
@@ -38,6 +49,8 @@ from jaxckpt._read_plan import (
     RegionKey,
     RegionPlan,
     c_order_pieces,
+    files_overhead,
+    pack_overhead,
     pack_spans,
     plan_region,
     region_key,
@@ -245,42 +258,66 @@ class Opened:
         Local folders only: TensorStore lists object stores without sizes. With ``plans`` (the regions
         a read takes of each array), an array claims the bytes of the parts read, not all it has in a
         store: a process's own copy (a two-tier manager's local tier) holds only the regions it had.
+        From version 4 a read claims too the index and checksums of every shard file it touches
+        (:func:`jaxckpt._read_plan.files_overhead`), so that the shards and chunks it plans one by one
+        are bounded by the bytes held as well.
         """
         if self.index.version < 2 or self.location.local is None or not keys:
             return
+        # A crafted shard shape of all 1s claims no more values, but a million files.
+        sharded = self.index.version >= 4
         claims: dict[str, int] = defaultdict(int)
+        overhead: dict[str, int] = defaultdict(int)
         largest: dict[str, tuple[int, str]] = {}
+        packs: set[int] = set()
         for key in keys:
             leaf = self.index.leaves[key]
             assert isinstance(leaf, ArrayLeaf)
             at = _in_store(leaf)
-            if isinstance(at, InArray) and plans is not None and key in plans:
-                parts: dict[str, int] = defaultdict(int)
-                read = {(p.store, region_key(p.source)): p for plan in plans[key] for p in plan.parts}
-                for store, source in read:
-                    box = [s.indices(n) for s, n in zip(read[store, source].source, leaf.shape)]
-                    parts[store] += math.prod(hi - lo for lo, hi, _ in box) * leaf.dtype.itemsize
-            elif isinstance(at, InArray):
-                parts = {s: _format.store_bytes(at, leaf.shape, leaf.dtype.itemsize, s) for s in stores}
+            extra: dict[str, int] = {}
+            if isinstance(at, InArray):
+                boxes: dict[str, list[Box]] = defaultdict(list)
+                if plans is not None and key in plans:
+                    parts: dict[str, int] = defaultdict(int)
+                    read = {(p.store, region_key(p.source)): p for plan in plans[key] for p in plan.parts}
+                    for store, source in read:
+                        box = [s.indices(n)[:2] for s, n in zip(read[store, source].source, leaf.shape)]
+                        parts[store] += math.prod(hi - lo for lo, hi in box) * leaf.dtype.itemsize
+                        boxes[store].append(box)
+                else:
+                    parts = {s: _format.store_bytes(at, leaf.shape, leaf.dtype.itemsize, s) for s in stores}
+                    if sharded:
+                        boxes.update((s, b) for s, b in _format.regions(at, leaf.shape).items() if s in stores)
+                if sharded:
+                    extra = {s: files_overhead(at, leaf.dtype.itemsize, b) for s, b in boxes.items()}
             else:
                 parts = {DATA_DIR: leaf.nbytes}
-            for store, nbytes in parts.items():
-                if not nbytes:
+                if sharded and at.pack not in packs:  # its pack's index, once
+                    packs.add(at.pack)
+                    pack = self.index.packs[at.pack]
+                    assert pack.chunk is not None  # version 4 indexes record it
+                    extra = {DATA_DIR: pack_overhead(pack.nbytes, pack.chunk)}
+            for store in parts.keys() | extra.keys():
+                nbytes, more = parts.get(store, 0), extra.get(store, 0)
+                if not nbytes + more:
                     continue
                 claims[store] += nbytes
-                largest[store] = max(largest.get(store, (-1, "")), (nbytes, key))
-        for store, claimed in claims.items():
+                overhead[store] += more
+                largest[store] = max(largest.get(store, (-1, "")), (nbytes + more, key))
+        for store in claims:
+            claimed, more = claims[store], overhead[store]
             held = self._stored_bytes.get(store)
             if held is None:
                 # Bytes the file system holds, not apparent sizes: a sparse file's holes back no claim.
                 usage = _local_tree.usage(self._store_folder(store))
                 held = self._stored_bytes[store] = usage.held if usage is not None else 0
-            if claimed > held:
+            if claimed + more > held:
+                files = f" and {more:,} bytes of chunk indexes and checksums in its files" if more else ""
                 raise CheckpointCorruptedError(
                     f"The checkpoint {str(self.path)!r} claims {claimed:,} bytes of values in its data store "
-                    f"{store!r} (the largest {describe(largest[store][1])}), but that store holds only {held:,} bytes: "
-                    "its data is missing or truncated, or its index was crafted. Nothing was read."
-                    + _short_because(self.location / store, claimed)
+                    f"{store!r} (the largest {describe(largest[store][1])}){files}, but that store holds only "
+                    f"{held:,} bytes: its data is missing or truncated, or its index was crafted. Nothing was read."
+                    + _short_because(self.location / store, claimed + more)
                 )
 
     def _read_packed(self, pack: int, leaves: Mapping[str, tuple[ArrayLeaf, InPack]]) -> dict[str, np.ndarray]:

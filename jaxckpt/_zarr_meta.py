@@ -22,14 +22,48 @@ _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _CODECS = [_BYTES, {"name": "crc32c"}]
 
 
-def _largest_divisor(n: int, at_most: int) -> int:
-    best = 1
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            for c in (d, n // d):
-                if best < c <= at_most:
-                    best = c
-    return best
+# Candidate divisors tried at once (see :func:`_divisor`).
+_BLOCK = 1 << 16
+
+
+def _remainders(n: int, candidates: np.ndarray) -> np.ndarray:
+    """``n`` modulo each of ``candidates`` (uint64, each below 2**25), for any ``n``: beyond uint64
+    (never from a parsed index), taken 32 bits at a time, so that no intermediate value leaves it."""
+    if n < 1 << 64:
+        return np.uint64(n) % candidates
+    r = np.zeros_like(candidates)
+    for shift in range(32 * ((n.bit_length() - 1) // 32), -1, -32):
+        r = ((r << np.uint64(32)) | np.uint64((n >> shift) & 0xFFFFFFFF)) % candidates
+    return r
+
+
+def _divisor(n: int, rows: int) -> int | None:
+    """The largest divisor of ``n`` from ``rows / _TOO_FINE`` to ``rows`` (None: there is none): the
+    rows along the cut dimension an inner chunk holds. Searched among these candidates, largest
+    first, or among their cofactors ``n / d``, smallest first, whichever are fewer (at most 7/8 of
+    ``rows``, which is at most 2**23), a block at a time: a crafted dimension of 2**62 costs at most
+    tens of milliseconds, not the 2**31 steps of a search up to its square root."""
+    lo, hi = -(-rows // _TOO_FINE), min(rows, n)
+    if lo > hi:
+        return None
+    co_lo, co_hi = -(-n // hi), n // lo  # the cofactors of divisors from lo to hi
+    if min(hi - lo, co_hi - co_lo) < _BLOCK >> 8:  # too few for numpy's overhead to pay
+        if hi - lo <= co_hi - co_lo:
+            return next((d for d in range(hi, lo - 1, -1) if n % d == 0), None)
+        return next((n // e for e in range(co_lo, co_hi + 1) if n % e == 0), None)
+    if hi - lo <= co_hi - co_lo:
+        for top in range(hi, lo - 1, -_BLOCK):
+            candidates = np.arange(max(lo, top - _BLOCK + 1), top + 1, dtype=np.uint64)
+            hits = np.flatnonzero(_remainders(n, candidates) == 0)
+            if hits.size:
+                return int(candidates[hits[-1]])
+    else:  # fewer cofactors than candidates: then co_hi < 8/3 (co_hi - co_lo + 1), below 2**25
+        for start in range(co_lo, co_hi + 1, _BLOCK):
+            candidates = np.arange(start, min(co_hi, start + _BLOCK - 1) + 1, dtype=np.uint64)
+            hits = np.flatnonzero(_remainders(n, candidates) == 0)
+            if hits.size:
+                return n // int(candidates[hits[0]])
+    return None
 
 
 def _cut(shard: Sequence[int], itemsize: int) -> tuple[int, int] | None:
@@ -55,8 +89,8 @@ def inner_chunk_shape(shard: Sequence[int], itemsize: int) -> tuple[int, ...]:
         i, rows = cut
         chunk[:i] = [1] * i
         if chunk[i] > rows:
-            divisor = _largest_divisor(chunk[i], rows)
-            if divisor * _TOO_FINE >= rows:
+            divisor = _divisor(chunk[i], rows)
+            if divisor is not None:
                 chunk[i] = divisor
     return tuple(chunk)
 
@@ -70,19 +104,8 @@ def shard_shape(shape: Sequence[int], region: Sequence[int], itemsize: int) -> t
     cut = _cut(shard, itemsize) if shard == [max(1, n) for n in shape] else None
     if cut is not None:
         i, rows = cut
-        if shard[i] > rows and _largest_divisor(shard[i], rows) * _TOO_FINE < rows:
+        if shard[i] > rows and _divisor(shard[i], rows) is None:
             shard[i] = -(-shard[i] // rows) * rows
-    return tuple(shard)
-    for i in range(len(shard)):
-        row = math.prod(shard[i + 1 :]) * itemsize
-        if shard[i] * row <= INNER_CHUNK_LIMIT or row > INNER_CHUNK_LIMIT:
-            if shard[i] * row <= INNER_CHUNK_LIMIT:
-                break
-            continue
-        want = INNER_CHUNK_LIMIT // row
-        if _largest_divisor(shard[i], want) * _TOO_FINE < want:
-            shard[i] = -(-shard[i] // want) * want
-        break
     return tuple(shard)
 
 

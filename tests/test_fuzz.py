@@ -666,11 +666,15 @@ CRAFTED = {
     "rbg keys with threefry data": (leaf("key", impl="rbg"), "key data must be uint32"),
     "float32 key data": (leaf("key", dtype="float32"), "key data must be uint32"),
     "nodes 3000 deep": (nested(3000), "nested more than"),
-    "huge own-array shape": (leaf("own", shape=[2**62]), r"claims [0-9,]+ bytes .*'own'.*holds only"),
-    "huge packed shape": (leaf("packed", shape=[2**62, 3]), "cannot hold shape"),
+    "huge own-array shape": (leaf("own", shape=[2**62]), "larger than any array can be"),
+    "huge own-array shape, in one shard": (
+        lambda body: (leaf("own", shape=[2**60])(body), body["leaves"]["own"]["at"].update(chunks=[2**60])),
+        r"claims [0-9,]+ bytes .*'own'.*holds only",
+    ),
+    "huge packed shape": (leaf("packed", shape=[2**58, 3]), "cannot hold shape"),
     "huge pack": (
         lambda body: (
-            body["packs"][0].update(nbytes=2**62),
+            body["packs"][0].update(nbytes=2**62, chunk=4 << 20),
             body["leaves"]["packed"].update(shape=[2**59]),
             body["leaves"]["packed"]["at"].update(offset=0, nbytes=2**61),
         ),
