@@ -317,7 +317,7 @@ class Opened:
                     f"The checkpoint {str(self.path)!r} claims {claimed:,} bytes of values in its data store "
                     f"{store!r} (the largest {describe(largest[store][1])}){files}, but that store holds only "
                     f"{held:,} bytes: its data is missing or truncated, or its index was crafted. Nothing was read."
-                    + _short_because(self.location / store, claimed + more)
+                    + _short_because(self.location / store, claimed)
                 )
 
     def _read_packed(self, pack: int, leaves: Mapping[str, tuple[ArrayLeaf, InPack]]) -> dict[str, np.ndarray]:
