@@ -38,7 +38,7 @@ test: $(STAMP)
 
 # The reliability tests' stress variants tenfold (CI runs them once over): kills, damaged copies, fuzz cases.
 stress: $(STAMP)
-	JAXCKPT_STRESS_SCALE=10 $(PY) -m pytest -m stress -q -s -n 2 -p no:randomly
+	JAXCKPT_STRESS_SCALE=10 $(PY) -m pytest -m stress -q -rA -n 2 -p no:randomly
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
