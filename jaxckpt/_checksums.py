@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxckpt._checked_json import check_checksum, checksummed_json
 from jaxckpt._errors import CheckpointCorruptedError
+from jaxckpt._format import ArrayLeaf, InArray, Index
 from jaxckpt._in_flight import Pending
 from jaxckpt._zarr_local import bytes_of, crc32c_of, expected_crcs, misplaced, shards_in, view_at
 from jaxckpt._zarr_meta import inner_chunk_shape
@@ -52,6 +53,20 @@ def encode(save: str, arrays: Mapping[str, Mapping[int, list[int]]]) -> bytes:
         "arrays": {path: {str(n): crcs for n, crcs in sorted(shards.items())} for path, shards in arrays.items()},
     }
     return checksummed_json(body)
+
+
+def checksums_limit(index: Index) -> int:
+    """The most bytes a data store's ``checksums.json`` takes for the arrays of ``index``: about a
+    dozen per inner chunk (``4294967295,``) and a few dozen per shard and per array; what a crafted
+    file claims beyond that is refused before it is read."""
+    total = 1024
+    for leaf in index.leaves.values():
+        if isinstance(leaf, ArrayLeaf) and isinstance(leaf.at, InArray) and leaf.at.chunks is not None:
+            shard = leaf.at.chunks
+            inner = inner_chunk_shape(shard, leaf.dtype.itemsize)
+            shards = math.prod([-(-n // s) for n, s in zip(leaf.shape, shard)])
+            total += 64 + shards * (32 + 12 * math.prod([s // c for s, c in zip(shard, inner)]))
+    return total
 
 
 class StoreChecksums:
@@ -85,9 +100,9 @@ class StoreChecksums:
         this data store holds none of its shards)."""
         if path not in self._parsed:
             raw = self._raw.get(path, {})
-            ok = _ARRAY.match(path) and isinstance(raw, dict)
+            ok = _ARRAY.fullmatch(path) and isinstance(raw, dict)
             ok = ok and all(
-                _SHARD.match(n) and isinstance(v, list) and all(type(c) is int and 0 <= c < 1 << 32 for c in v)
+                _SHARD.fullmatch(n) and isinstance(v, list) and all(type(c) is int and 0 <= c < 1 << 32 for c in v)
                 for n, v in raw.items()
             )
             if not ok:
@@ -102,34 +117,42 @@ def misplaced_chunk(
     shape: Sequence[int],
     shard: Sequence[int],
     crcs: Mapping[int, tuple[int, ...]],
+    read_whole: Callable[[tuple[slice, ...]], np.ndarray],
+    checked: set[tuple[int, int]],
 ) -> str | None:
     """For data read by another reader (TensorStore, which checks each chunk by its own checksum):
-    ``data`` holds region ``box`` of an array of ``shape``; what is wrong with the first of the inner
-    chunks that lie wholly inside it (as far as they lie inside the array) whose CRC-32C, over its
-    bytes as stored (padded with zeros past the array's end), is not the one ``crcs`` (the data
-    store's checksums) list for its place; None if none. Chunks read only in part are not checked."""
+    ``data`` holds region ``box`` of an array of ``shape``. What is wrong with the first inner chunk
+    the region touches whose CRC-32C, over its bytes as stored (padded with zeros past the array's
+    end), is not the one ``crcs`` (the data store's checksums) list for its place; None if none. A
+    chunk the region holds whole is checked from ``data``; one it cuts, from ``read_whole`` (its part
+    inside the array, read again), once: ``checked`` (by shard and chunk number) remembers."""
     chunk = inner_chunk_shape(shard, data.dtype.itemsize)
     per_shard = [s // c for s, c in zip(shard, chunk)]
     grid = [-(-n // s) for n, s in zip(shape, shard)]
     for position, _ in shards_in(box, shard, shape):
-        expected = expected_crcs(
-            crcs, int(np.ravel_multi_index(position, grid)) if position else 0, math.prod(per_shard)
-        )
+        number = int(np.ravel_multi_index(position, grid)) if position else 0
+        expected = expected_crcs(crcs, number, math.prod(per_shard))
         if isinstance(expected, str):
             return expected
-        for number, inner in enumerate(np.ndindex(*per_shard)):
+        for inner_number, inner in enumerate(np.ndindex(*per_shard)):
             start = [p * s + i * c for p, s, i, c in zip(position, shard, inner, chunk)]
             valid = [(lo, min(lo + c, n)) for lo, c, n in zip(start, chunk, shape)]
-            if any(lo >= hi for lo, hi in valid) or any(lo < a or hi > b for (lo, hi), (a, b) in zip(valid, box)):
+            if any(hi <= a or lo >= b or lo >= hi for (lo, hi), (a, b) in zip(valid, box)):
+                continue  # the region does not touch it (or it is padding alone)
+            if (number, inner_number) in checked:
                 continue
-            view = view_at(data, tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(valid, box)))
+            if all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(valid, box)):
+                view = view_at(data, tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(valid, box)))
+            else:
+                view = read_whole(tuple(slice(lo, hi) for lo, hi in valid))
             if view.shape != chunk:
                 padded = np.zeros(chunk, data.dtype)
                 padded[tuple(slice(0, n) for n in view.shape)] = view
                 view = padded
             crc = crc32c_of(bytes_of(np.ascontiguousarray(view)))
-            if crc != expected[number]:
-                return misplaced(f"its inner chunk at {tuple(start)}", crc, expected[number])
+            if crc != expected[inner_number]:
+                return misplaced(f"its inner chunk at {tuple(start)}", crc, expected[inner_number])
+            checked.add((number, inner_number))
     return None
 
 
@@ -141,6 +164,8 @@ class Bound(NamedTuple):
     crcs: Mapping[int, tuple[int, ...]]
     shape: tuple[int, ...]  # the array's
     shard: tuple[int, ...]  # its shard shape (the index's chunks)
+    read_whole: Callable[[tuple[slice, ...]], np.ndarray]  # a box of the array, read now
+    checked: set[tuple[int, int]]  # (shard, inner chunk) numbers found in their places
 
     def check(self, name: str, read: Pending, region: tuple[slice, ...]) -> _CheckedRead:
         """``read`` (of ``region``), whose chunks that lie wholly inside the region are checked against
@@ -158,7 +183,8 @@ class _CheckedRead(NamedTuple):
         data = self.read.result()
         shape = self.bound.shape
         box = [s.indices(n)[:2] for s, n in zip(self.region, shape)]
-        wrong = misplaced_chunk(data, box, shape, self.bound.shard, self.bound.crcs)
+        bound = self.bound
+        wrong = misplaced_chunk(data, box, shape, bound.shard, bound.crcs, bound.read_whole, bound.checked)
         if wrong is not None:
             raise CheckpointCorruptedError(f"Cannot read {self.name}: {wrong}. The checkpoint's files are damaged.")
         return data

@@ -178,7 +178,7 @@ def decode_index(data: bytes, where: str) -> Index:
     save = None
     if version >= 5:
         save = _get(body, "save", str, where)
-        if not SAVE_ID.match(save):
+        if not SAVE_ID.fullmatch(save):
             raise _fail(where, f"field 'save' is {save[:80]!r}, not 1 to 64 lowercase hexadecimal digits")
     nodes = _parse_nodes(_get(body, "nodes", dict, where), where)
     packs = [_parse_pack(p, version, f"{where} packs[{i}]") for i, p in enumerate(_get(body, "packs", list, where))]

@@ -3,6 +3,7 @@ bytes and CRC-32C in place, fsync by path, and a checkpoint's folder held open w
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import queue
@@ -124,9 +125,34 @@ class PinnedFolder:
         return (now.st_dev, now.st_ino) != (pinned.st_dev, pinned.st_ino)
 
     def open(self, file: str, flags: int) -> int:
-        """Open ``file``, a path built from :attr:`path`, in this folder (whatever is at its path now)."""
+        """Open ``file``, a path built from :attr:`path`, in this folder (whatever is at its path now),
+        following no symbolic link on the way (see :func:`open_beneath`)."""
         relative = file[len(self._prefix) :] if file.startswith(self._prefix) else os.path.relpath(file, self.path)
         try:
-            return os.open(relative, flags, dir_fd=self.fd)
+            return open_beneath(self.fd, relative, flags)
         except OSError as e:  # named as the caller named it, not by its path relative to the folder
             raise OSError(e.errno, e.strerror, file) from None
+
+
+# A folder on the way to a file: opened only to open what is in it, never through a symlink.
+_ON_THE_WAY = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_beneath(folder: int, relative: str, flags: int) -> int:
+    """Open ``relative`` (``/``-separated) in the folder open as ``folder``, one component at a time,
+    none of them a symbolic link: a symlinked folder on the way fails with ENOTDIR, a symlinked file
+    with ELOOP, so nothing outside the folder is ever opened. ``..`` is refused (EINVAL)."""
+    *folders, name = relative.split("/")
+    if any(part in ("", ".", "..") for part in folders) or name in ("", ".", ".."):
+        raise OSError(errno.EINVAL, "not a plain relative path", relative)
+    fd = folder
+    try:
+        for part in folders:
+            inner = os.open(part, _ON_THE_WAY, dir_fd=fd)
+            if fd != folder:
+                os.close(fd)
+            fd = inner
+        return os.open(name, flags | os.O_NOFOLLOW, dir_fd=fd)
+    finally:
+        if fd != folder:
+            os.close(fd)

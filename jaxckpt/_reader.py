@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxckpt import _format, _formats, _local_tree, _storage, _tensorstore, _zarr_local
-from jaxckpt._checksums import StoreChecksums
+from jaxckpt._checksums import StoreChecksums, checksums_limit
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
@@ -104,6 +104,7 @@ class Opened:
         self._pinned, raw = self._pin_and_read_index()
         self.index: Index = decode_index(raw, where)
         self._readers: dict[str, _tensorstore.Reader] = {}
+        self._checksums: dict[str, StoreChecksums] = {}
         self._stored_bytes: dict[str, int] = {}  # per data store, for _check_backed
 
     def _pin_and_read_index(self) -> tuple[_zarr_local.PinnedFolder | None, bytes]:
@@ -368,17 +369,20 @@ class Opened:
         return self._readers[store]
 
     def _checksums_of(self, store: str) -> StoreChecksums:
-        """The checksums of data store ``store`` (format version 5), for the save that wrote the index."""
+        """The checksums of data store ``store`` (format version 5), for the save that wrote the index;
+        read once, and no larger than what the index's arrays imply."""
         assert self.index.save is not None
-        name = f"{store}/{CHECKSUMS_FILE}"
-        where = repr(str(self.location / name))
-        data = _storage.read_file(self.location, name, _storage.INDEX_READ_LIMIT, pinned=self._pinned)
-        if data is None:
-            raise CheckpointCorruptedError(
-                f"The checksums {where} are missing, so nothing vouches for the arrays in data store {store!r}: "
-                "files of the checkpoint were deleted, or it is being deleted now."
-            )
-        return StoreChecksums(data, where, self.index.save)
+        if store not in self._checksums:
+            name = f"{store}/{CHECKSUMS_FILE}"
+            where = repr(str(self.location / name))
+            data = _storage.read_file(self.location, name, checksums_limit(self.index), pinned=self._pinned)
+            if data is None:
+                raise CheckpointCorruptedError(
+                    f"The checksums {where} are missing, so nothing vouches for the arrays in data store {store!r}: "
+                    "files of the checkpoint were deleted, or it is being deleted now."
+                )
+            self._checksums[store] = StoreChecksums(data, where, self.index.save)
+        return self._checksums[store]
 
     @staticmethod
     def _plan_arrays(wanted: Mapping[str, tuple[ArrayLeaf, InArray, Any]]) -> dict[str, _ArrayRead]:

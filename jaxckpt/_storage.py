@@ -157,19 +157,31 @@ def read_file(
     """The bytes of ``name`` in ``folder``, or None if there is no such file; with ``pinned`` (the local
     ``folder`` held open), in that folder, whatever is at its path now.
 
-    Only a regular file (a symlink to one is followed) of at most ``limit`` bytes is read: a FIFO, a
-    device such as ``/dev/zero`` or an oversized file is a :class:`CheckpointFormatError`, never a hang
-    or a read without end.
+    Only a regular file (a symlink to one is followed, except with ``pinned``: in a checkpoint, none
+    is) of at most ``limit`` bytes is read: a FIFO, a device such as ``/dev/zero``, a folder, a symlink
+    in a checkpoint or an oversized file is a :class:`CheckpointFormatError`, never a hang or a read
+    without end; a storage that refuses is a :class:`StorageError`.
     """
     where = str(folder / name)
     if folder.local is not None:
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer that never comes.
             flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-            fd = os.open(folder.local / name, flags) if pinned is None else os.open(name, flags, dir_fd=pinned.fd)
+            fd = (
+                os.open(folder.local / name, flags)
+                if pinned is None
+                else _local_files.open_beneath(pinned.fd, name, flags)
+            )
         except (FileNotFoundError, NotADirectoryError):
             return None
-        with os.fdopen(fd, "rb") as f:
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CheckpointFormatError(
+                    f"{where!r} is a symbolic link, or a loop of them; jaxckpt reads only regular files there. "
+                    "Replace it with the file jaxckpt wrote, or remove it."
+                ) from e
+            raise StorageError(f"Cannot read {where!r}: the storage refused ({e}).", e.errno or errno.EIO) from e
+        try:  # checked before os.fdopen, which refuses a folder with a Python error of its own
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise CheckpointFormatError(
@@ -178,6 +190,10 @@ def read_file(
                 )
             if info.st_size > limit:
                 raise _too_large(where, info.st_size, limit)
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as f:
             data = f.read(info.st_size + 1)  # not limit + 1: read() allocates what it is asked for
             if len(data) > info.st_size:  # it grew since fstat
                 data += f.read(limit + 1 - len(data))

@@ -23,6 +23,7 @@ full disk, the network), since only the first means the checkpoint is bad.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import _checksums, _kvstore, _zarr_local, _zarr_meta, _zarr_write
-from jaxckpt._errors import CheckpointCorruptedError, JaxckptError, StorageError
+from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, JaxckptError, StorageError
 from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray
 from jaxckpt._in_flight import WRITE_AHEAD_BYTES, InFlight, Pending
 from jaxckpt._kvstore import REFUSED, failure, status_code
@@ -289,7 +290,7 @@ def _array_checksums(
         try:
             sums = sums or load()
             crcs[at.path] = sums.of_array(at.path)
-        except CheckpointCorruptedError as e:
+        except CheckpointFormatError as e:
             raise CheckpointCorruptedError(f"Cannot read {_name(key, at.path)}: {e}") from e
     return crcs
 
@@ -374,9 +375,10 @@ class Reader:
             stored = _raw(at.stored) if by_bits else at.stored
             _check_open(key, at.path, store, leaf.shape, stored, padded=self._sharded)
             opened = _Raw(store, _zarr_meta.numpy_dtype(at.stored)) if by_bits else store
-            stores[key] = (
-                _checksums.Bound(opened, crcs[at.path], leaf.shape, at.chunks or ()) if at.path in crcs else opened
-            )
+            if at.path in crcs:
+                read_whole = functools.partial(_read_now, key, at.path, opened)
+                opened = _checksums.Bound(opened, crcs[at.path], leaf.shape, at.chunks or (), read_whole, set())
+            stores[key] = opened
         return stores
 
     def _check_metadata(self, key: str, path: str, expected: dict[str, Any]) -> None:
@@ -457,6 +459,13 @@ class _Raw(NamedTuple):
 
     store: ts.TensorStore
     dtype: np.dtype
+
+
+def _read_now(key: str, path: str, store: Any, box: tuple[slice, ...]) -> np.ndarray:
+    """A box of an opened array (raw bits viewed as their type), read at once."""
+    if isinstance(store, _Raw):
+        return _read_into(key, path, store.store[box], store.dtype).result()
+    return _read_into(key, path, store[box]).result()
 
 
 def _read_into(key: str, path: str, source: ts.TensorStore, dtype: np.dtype | None = None) -> PendingRead:

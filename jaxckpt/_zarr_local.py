@@ -137,8 +137,10 @@ def _open_regular(array: LocalArray, file: str) -> int:
     try:
         fd = os.open(file, flags) if array.pinned is None else array.pinned.open(file, flags)
     except OSError as e:
-        if e.errno == errno.ELOOP:  # a symbolic link: what it names is outside what was saved
-            raise _damaged(array, f"{file} is not a regular file (a symbolic link)") from e
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a symbolic link (what it names is outside what was saved)
+            raise _damaged(
+                array, f"{file} is not a regular file of the checkpoint (a symbolic link, or one on its way)"
+            ) from e
         raise _refused(array, e) from e
     try:
         mode = os.fstat(fd).st_mode
