@@ -8,7 +8,6 @@ import errno
 import json
 import os
 import shutil
-import zlib
 from pathlib import Path
 
 import jax
@@ -18,7 +17,8 @@ import pytest
 import tensorstore as ts
 
 import jaxckpt
-from jaxckpt import _cli, _save, _scan, _tensorstore, _verify, _zarr_local
+from jaxckpt import _cli, _local_files, _save, _scan, _tensorstore, _verify, _zarr_local
+from jaxckpt._checked_json import checksummed_json
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -62,9 +62,7 @@ def _index(path: Path) -> dict:
 def _write_index(path: Path, body: dict) -> None:
     """Rewrite the index with a valid checksum, as an attacker would."""
     body = {k: v for k, v in body.items() if k != "checksum"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    data = b'{"checksum":"crc32:%08x",' % zlib.crc32(canonical) + canonical[1:] + b"\n"
-    (Path(path) / "index.json").write_bytes(data)
+    (Path(path) / "index.json").write_bytes(checksummed_json(body))
 
 
 def _chunked(tmp_path: Path, values: np.ndarray | None = None) -> tuple[Path, np.ndarray]:
@@ -302,7 +300,15 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
                 raise PermissionError(errno.EACCES, "Permission denied", str(file))
             return real_builtin_open(file, *args, **kwargs)
 
+        real_beneath = _local_files.open_beneath
+
+        def open_beneath(folder, relative, flags):  # a file in the folder held open, a component at a time
+            if relative.startswith(targets[1]):
+                raise PermissionError(errno.EACCES, "Permission denied", relative)
+            return real_beneath(folder, relative, flags)
+
         monkeypatch.setattr(os, "open", os_open)
+        monkeypatch.setattr(_local_files, "open_beneath", open_beneath)
         monkeypatch.setattr("builtins.open", builtin_open)
     result = _verify.verify(str(path))
     assert not result.damaged and [k for k, _ in result.unreadable] == [key]

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import zlib
 from pathlib import Path
 
 import jax
@@ -19,23 +18,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_data_safety import _index, _write_index
 
 import jaxckpt
 from jaxckpt import _cli, _format, _read_plan, _tensorstore, _zarr_meta
 
 GOLDEN = Path(__file__).parent / "golden"
-
-
-def _index(path: Path) -> dict:
-    return json.loads((Path(path) / "index.json").read_text())
-
-
-def _write_index(path: Path, body: dict) -> None:
-    """Rewrite the index with a valid checksum, as an attacker would."""
-    body = {k: v for k, v in body.items() if k != "checksum"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    data = b'{"checksum":"crc32:%08x",' % zlib.crc32(canonical) + canonical[1:] + b"\n"
-    (Path(path) / "index.json").write_bytes(data)
 
 
 # --- 2. regions must tile the array: an overlap hides a gap --------------------------------------
