@@ -198,3 +198,20 @@ def _fs_type(path: str) -> int | None:
     if statfs(os.fsencode(path), buffer) != 0:
         return None
     return ctypes.c_long.from_buffer(buffer).value
+
+
+def short_because(store: Location, claimed: int) -> str:
+    """Why a data store holds fewer bytes than claimed, where it is not plain missing data."""
+    if store.local is not None and os.path.islink(store.local):
+        return (
+            f" ({store.name!r} is a symlink, which jaxckpt does not follow inside a checkpoint: copy what it "
+            "points to into the checkpoint.)"
+        )
+    found = usage(store)
+    if found is not None and found.apparent >= claimed:
+        return (
+            f" (Its files are sparse: their sizes add up to {found.apparent:,} bytes, but the file system holds "
+            f"only {found.held:,} of them; the holes read as zeros. A copy made with holes (cp --sparse=always, "
+            "rsync -S) of a genuine checkpoint can be copied again without them: cp -r --sparse=never.)"
+        )
+    return ""

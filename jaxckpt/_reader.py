@@ -318,7 +318,7 @@ class Opened:
                     f"The checkpoint {str(self.path)!r} claims {claimed:,} bytes of values in its data store "
                     f"{store!r} (the largest {describe(largest[store][1])}){files}, but that store holds only "
                     f"{held:,} bytes: its data is missing or truncated, or its index was crafted. Nothing was read."
-                    + _short_because(self.location / store, claimed)
+                    + _local_tree.short_because(self.location / store, claimed)
                 )
 
     def _read_packed(self, pack: int, leaves: Mapping[str, tuple[ArrayLeaf, InPack]]) -> dict[str, np.ndarray]:
@@ -483,20 +483,3 @@ class Opened:
     @staticmethod
     def _as_logical(leaf: ArrayLeaf, data: np.ndarray) -> np.ndarray:
         return data if data.dtype == leaf.dtype else data.view(leaf.dtype)
-
-
-def _short_because(store: _storage.Location, claimed: int) -> str:
-    """Why a data store holds fewer bytes than claimed, where it is not plain missing data."""
-    if _storage.is_symlink(store):
-        return (
-            f" ({store.name!r} is a symlink, which jaxckpt does not follow inside a checkpoint: copy what it "
-            "points to into the checkpoint.)"
-        )
-    usage = _local_tree.usage(store)
-    if usage is not None and usage.apparent >= claimed:
-        return (
-            f" (Its files are sparse: their sizes add up to {usage.apparent:,} bytes, but the file system holds "
-            f"only {usage.held:,} of them; the holes read as zeros. A copy made with holes (cp --sparse=always, "
-            "rsync -S) of a genuine checkpoint can be copied again without them: cp -r --sparse=never.)"
-        )
-    return ""

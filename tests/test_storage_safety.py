@@ -74,7 +74,7 @@ def test_index_symlinked_to_dev_zero_is_a_format_error(tmp_path):
     path = Path(jaxckpt.save(tmp_path / "c", TREE))
     (path / "index.json").unlink()
     (path / "index.json").symlink_to("/dev/zero")
-    with pytest.raises(jaxckpt.CheckpointFormatError, match=r"index\.json.*not a regular file.*character device"):
+    with pytest.raises(jaxckpt.CheckpointFormatError, match=r"index\.json.*symbolic link"):  # never followed
         jaxckpt.restore(path)
 
 
