@@ -282,6 +282,34 @@ def test_a_folder_nested_1100_levels_deep_is_no_recursion_error(tmp_path, capsys
         _remove_deep(deep)
 
 
+@pytest.mark.parametrize("what", ["a folder 1,100 levels deep", "a symlinked file", "a symlinked folder"])
+def test_a_copy_to_the_durable_tier_lists_only_the_checkpoint_s_own_files(tmp_path, what):
+    """The two-tier copy lists a local checkpoint's files: no RecursionError (os.walk recursed), and
+    never a file through a symlink (it would copy what the link names, from outside the checkpoint)."""
+    from jaxckpt import _copy
+
+    path = Path(jaxckpt.save(tmp_path / "c", TREE))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"not the checkpoint's")
+    deep = path / "data" / "x"
+    if what == "a symlinked file":
+        (path / "data" / "link").symlink_to(outside / "secret")
+    elif what == "a symlinked folder":
+        (path / "data" / "link").symlink_to(outside, target_is_directory=True)
+    else:
+        folder = deep
+        for _ in range(1100):
+            folder.mkdir()
+            folder = folder / "d"
+    try:
+        with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"levels deep|symbolic link"):
+            _copy.data_files(path)
+    finally:
+        if deep.exists():
+            _remove_deep(deep)
+
+
 def test_a_symlinked_data_store_is_neither_walked_nor_counted(tmp_path, monkeypatch):
     path = Path(jaxckpt.save(tmp_path / "c", TREE))
     outside = tmp_path / "outside"
