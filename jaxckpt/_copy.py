@@ -18,19 +18,26 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxckpt import _kvstore, _multihost, _staging, _storage
+from jaxckpt import _kvstore, _local_tree, _multihost, _staging, _storage
+from jaxckpt._errors import CheckpointCorruptedError
 from jaxckpt._format import INDEX_FILE, data_store
 from jaxckpt._storage import Location
 
 
 def data_files(source: Path) -> list[str]:
-    """The files of the checkpoint at ``source`` but its index (relative, ``/``-separated), sorted."""
+    """The files of the checkpoint at ``source`` but its index (relative, ``/``-separated), sorted:
+    regular files only, reached through no symlink (a symlink in a local checkpoint is refused: the
+    copy would carry what it names, from outside the checkpoint)."""
     out = []
-    for folder, _, files in os.walk(source):
-        for name in files:
-            rel = os.path.relpath(os.path.join(folder, name), source).replace(os.sep, "/")
-            if rel != INDEX_FILE:
-                out.append(rel)
+    for entry in _local_tree.walk_files(_storage.location(source)):
+        if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
+            raise CheckpointCorruptedError(
+                f"Cannot copy the checkpoint {str(source)!r}: {entry.path!r} is not a regular file (a symbolic link, "
+                "FIFO or device); a checkpoint holds only the files jaxckpt wrote."
+            )
+        rel = os.path.relpath(entry.path, source).replace(os.sep, "/")
+        if rel != INDEX_FILE:
+            out.append(rel)
     return sorted(out)
 
 

@@ -8,6 +8,7 @@ import ctypes
 import os
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -136,8 +137,27 @@ def usage(folder: Location) -> Usage | None:
             return None
     except OSError:
         return None
-    held = apparent = entries = 0
+    held = apparent = 0
     truthful: dict[int, bool] = {}  # by st_dev
+    for entry in walk_files(folder):
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue  # a symlink, FIFO or device holds none of the checkpoint's bytes
+            info = entry.stat(follow_symlinks=False)
+        except OSError:  # removed while we looked (a manager's retention at work)
+            continue
+        apparent += info.st_size
+        held += _held(info, entry.path, truthful)
+    return Usage(held, apparent)
+
+
+def walk_files(folder: Location) -> Iterator[os.DirEntry[str]]:
+    """Every entry under the local folder ``folder`` that is not a folder (files, symlinks, FIFOs...),
+    without following a symlink and without recursion; past :data:`MAX_DEPTH` levels or
+    :data:`MAX_ENTRIES` entries, a :class:`CheckpointCorruptedError` naming the folder. Folders that
+    vanish meanwhile are skipped."""
+    assert folder.local is not None
+    entries = 0
     stack = [(os.fspath(folder.local), 0)]
     while stack:
         path, depth = stack.pop()
@@ -148,21 +168,17 @@ def usage(folder: Location) -> Usage | None:
                     if entries > MAX_ENTRIES:
                         raise _walk_bound(folder, f"more than {MAX_ENTRIES:,} files and folders", path)
                     try:
-                        if entry.is_dir(follow_symlinks=False):
-                            if depth >= MAX_DEPTH:
-                                raise _walk_bound(folder, f"folders nested over {MAX_DEPTH} levels deep", entry.path)
-                            stack.append((entry.path, depth + 1))
-                            continue
-                        if not entry.is_file(follow_symlinks=False):
-                            continue  # a symlink, FIFO or device holds none of the checkpoint's bytes
-                        info = entry.stat(follow_symlinks=False)
-                    except OSError:  # removed while we looked (a manager's retention at work)
+                        is_dir = entry.is_dir(follow_symlinks=False)
+                    except OSError:
                         continue
-                    apparent += info.st_size
-                    held += _held(info, entry.path, truthful)
+                    if not is_dir:
+                        yield entry
+                    elif depth >= MAX_DEPTH:
+                        raise _walk_bound(folder, f"folders nested over {MAX_DEPTH} levels deep", entry.path)
+                    else:
+                        stack.append((entry.path, depth + 1))
         except (FileNotFoundError, NotADirectoryError):
             continue
-    return Usage(held, apparent)
 
 
 def _walk_bound(folder: Location, what: str, where: str) -> CheckpointCorruptedError:
