@@ -105,6 +105,7 @@ class Opened:
         self.index: Index = decode_index(raw, where)
         self._readers: dict[str, _tensorstore.Reader] = {}
         self._checksums: dict[str, StoreChecksums] = {}
+        self._checksums_limit: int | None = None
         self._stored_bytes: dict[str, int] = {}  # per data store, for _check_backed
 
     def _pin_and_read_index(self) -> tuple[_zarr_local.PinnedFolder | None, bytes]:
@@ -375,7 +376,9 @@ class Opened:
         if store not in self._checksums:
             name = f"{store}/{CHECKSUMS_FILE}"
             where = repr(str(self.location / name))
-            data = _storage.read_file(self.location, name, checksums_limit(self.index), pinned=self._pinned)
+            if self._checksums_limit is None:  # once: it walks the index
+                self._checksums_limit = checksums_limit(self.index)
+            data = _storage.read_file(self.location, name, self._checksums_limit, pinned=self._pinned)
             if data is None:
                 raise CheckpointCorruptedError(
                     f"The checksums {where} are missing, so nothing vouches for the arrays in data store {store!r}: "
