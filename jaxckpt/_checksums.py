@@ -35,7 +35,7 @@ from jaxckpt._errors import CheckpointCorruptedError
 from jaxckpt._format import ArrayLeaf, InArray, Index
 from jaxckpt._in_flight import Pending
 from jaxckpt._zarr_local import bytes_of, crc32c_of, expected_crcs, misplaced, shards_in, view_at
-from jaxckpt._zarr_meta import inner_chunk_shape
+from jaxckpt._zarr_meta import inner_chunk_shape, shard_number
 
 FORMAT = "jaxckpt-checksums"
 _ARRAY = re.compile(r"^a/[0-9]{1,9}$")
@@ -128,9 +128,8 @@ def misplaced_chunk(
     inside the array, read again), once: ``checked`` (by shard and chunk number) remembers."""
     chunk = inner_chunk_shape(shard, data.dtype.itemsize)
     per_shard = [s // c for s, c in zip(shard, chunk)]
-    grid = [-(-n // s) for n, s in zip(shape, shard)]
     for position, _ in shards_in(box, shard, shape):
-        number = int(np.ravel_multi_index(position, grid)) if position else 0
+        number = shard_number(position, shape, shard)
         expected = expected_crcs(crcs, number, math.prod(per_shard))
         if isinstance(expected, str):
             return expected

@@ -189,10 +189,9 @@ class Writer:
         # lists them in order, computed here over the same bytes (the shards as TensorStore writes
         # them, padding included).
         inner = _zarr_meta.inner_chunk_shape(chunks, as_stored.itemsize)
-        self._checksums.setdefault(path, {})
+        shards = self._checksums.setdefault(path, {})  # listed even with no shards written
         for number, _, data in _zarr_write.shards_of(shape, as_stored, chunks, parts):
-            crcs = [_zarr_local.crc32c_of(view) for view in _zarr_write.inner_chunks(data, inner)]
-            self._checksums.setdefault(path, {})[number] = crcs
+            shards[number] = [_zarr_local.crc32c_of(view) for view in _zarr_write.inner_chunks(data, inner)]
         self._planned.append((path, _sharded_metadata(shape, stored, chunks), list(parts)))
 
     def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]]) -> None:

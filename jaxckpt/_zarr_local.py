@@ -49,6 +49,7 @@ from jaxckpt._zarr_meta import (
     numpy_dtype,
     pack_metadata,
     pack_shard,
+    shard_number,
 )
 
 CRC = 4  # bytes of a CRC-32C
@@ -258,10 +259,8 @@ def _plan_part(
         source = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(want, start))
         number = int(np.ravel_multi_index(grid, per_shard)) if grid else 0
         pieces.append(_Piece(grid, number, target, source, direct))
-    grid = [-(-n // s) for n, s in zip(array.shape, array.shard)]
-    number = int(np.ravel_multi_index(position, grid)) if position else 0
-    chunks = math.prod(per_shard)
-    return _PartPlan(os.path.join(array.folder, chunk_key(position)), chunks, number, pieces)
+    number = shard_number(position, array.shape, array.shard)
+    return _PartPlan(os.path.join(array.folder, chunk_key(position)), math.prod(per_shard), number, pieces)
 
 
 class LocalReader:

@@ -201,6 +201,13 @@ def metadata_problem(found: Any, expected: dict[str, Any]) -> str | None:
     return f"it has unexpected fields {sorted(extra)}" if extra else None
 
 
+def shard_number(position: Sequence[int], shape: Sequence[int], shard: Sequence[int]) -> int:
+    """The number of the shard at grid ``position`` of an array of ``shape`` in shards of ``shard``:
+    C order over the grid of ``ceil(shape / shard)`` shards (how format 5's checksums name shards)."""
+    grid = [-(-n // s) for n, s in zip(shape, shard)]
+    return int(np.ravel_multi_index(position, grid)) if len(position) else 0
+
+
 def chunk_key(position: Sequence[int]) -> str:
     """The key of the shard at grid ``position`` (zarr3's default key encoding)."""
     return "/".join(["c", *map(str, position)])

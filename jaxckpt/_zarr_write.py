@@ -20,7 +20,7 @@ from jaxckpt._errors import StorageError
 from jaxckpt._format import CHECKSUMS_FILE
 from jaxckpt._local_files import bytes_of, crc32c_of, crc_bytes, fsync_path, io_pool, view_at
 from jaxckpt._zarr_local import CRC, shards_in
-from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, pack_metadata, pack_shard
+from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, pack_metadata, pack_shard, shard_number
 
 _IOV_MAX = 512  # buffers per pwritev call (Linux allows 1024)
 
@@ -48,14 +48,12 @@ def shards_of(
 ) -> list[tuple[int, tuple[int, ...], np.ndarray]]:
     """The shards in ``parts`` (each whole shards, at a region whose start is a multiple of the shard
     shape): (number in the shard grid, position, C-contiguous data of the shard's full shape)."""
-    grid = [-(-n // s) for n, s in zip(shape, shard)]
     out = []
     for index, data in parts:
         box = [s.indices(n)[:2] for s, n in zip(index, shape)]
         for position, sub in shards_in(box, shard, shape):
             piece = view_at(data, tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(sub, box)))
-            number = int(np.ravel_multi_index(position, grid)) if position else 0
-            out.append((number, position, _padded(piece.view(stored), sub, shard)))
+            out.append((shard_number(position, shape, shard), position, _padded(piece.view(stored), sub, shard)))
     return out
 
 
