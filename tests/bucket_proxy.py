@@ -1,0 +1,126 @@
+"""A small HTTP proxy on loopback in front of a bucket server (moto for ``s3://``, the GCS emulator
+for ``gs://``): it records every request it forwards, and it can answer some of them with a fault
+instead (an HTTP status such as 503, or a connection reset) to show what jaxckpt does when the
+network misbehaves. For the tests and for ``benchmarks/buckets.py``.
+
+    proxy = BucketProxy("http://127.0.0.1:5000")   # the server's endpoint
+    proxy.endpoint                                 # point the client here
+    proxy.requests                                 # [("GET", "/bucket/run/index.json"), ...]
+    proxy.faults = lambda method, path: 503 if ... else None   # or "reset"
+    proxy.close()
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import socket
+import socketserver
+import struct
+import threading
+import urllib.parse
+from collections.abc import Callable
+
+# What a fault rule answers for one request: None (forward it), an HTTP status to answer with
+# instead, or "reset" (close the connection with a TCP reset, without a response).
+Fault = int | str | None
+_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"}
+
+
+class BucketProxy:
+    def __init__(self, upstream: str, faults: Callable[[str, str], Fault] | None = None) -> None:
+        target = urllib.parse.urlsplit(upstream)
+        self.upstream_host = target.hostname or "127.0.0.1"
+        self.upstream_port = target.port or 80
+        self.faults = faults
+        self.requests: list[tuple[str, str]] = []
+        self.faulted: list[tuple[str, str, Fault]] = []
+        self._lock = threading.Lock()
+        self._server = _Server(("127.0.0.1", 0), _handler(self))
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def clear(self) -> None:
+        with self._lock:
+            self.requests.clear()
+            self.faulted.clear()
+
+    def count(self, method: str | None = None, contains: str = "") -> int:
+        """How many requests were forwarded or faulted (of ``method``, with ``contains`` in the path)."""
+        with self._lock:
+            return sum(1 for m, p in self.requests if (method is None or m == method) and contains in p)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> BucketProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _record(self, method: str, path: str) -> Fault:
+        with self._lock:
+            self.requests.append((method, path))
+            fault = self.faults(method, path) if self.faults is not None else None
+            if fault is not None:
+                self.faulted.append((method, path, fault))
+            return fault
+
+
+class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def _handler(proxy: BucketProxy) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:  # quiet
+            pass
+
+        def _forward(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else b""
+            fault = proxy._record(self.command, self.path)
+            if fault == "reset":
+                # SO_LINGER with a zero timeout: close() sends a RST, as a dropped connection does.
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
+                return
+            if isinstance(fault, int):
+                message = b"injected fault"
+                self.send_response(fault)
+                self.send_header("Content-Length", str(len(message)))
+                self.end_headers()
+                self.wfile.write(message)
+                return
+            upstream = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=120)
+            try:
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                response = upstream.getresponse()
+                data = response.read()
+            finally:
+                upstream.close()
+            self.send_response(response.status, response.reason)
+            head = self.command == "HEAD"  # its Content-Length is the object's, with no body
+            for key, value in response.getheaders():
+                if key.lower() not in _HOP_BY_HOP and (head or key.lower() != "content-length"):
+                    self.send_header(key, value)
+            if not head:
+                self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(data)
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _forward
+
+    return Handler
