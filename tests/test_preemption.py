@@ -213,3 +213,59 @@ def test_a_manager_in_another_thread_refuses_save_on_preemption(tmp_path):
     errors = in_another_thread(lambda: jaxckpt.CheckpointManager(make_ckpt(), tmp_path, save_on_preemption=True))
     assert len(errors) == 1 and "main thread" in str(errors[0])
     assert not (tmp_path / "checkpoint.lock").exists()  # the refused manager released its lock
+
+
+ORBAX_WORKER = Path(__file__).with_name("orbax_preemption_worker.py")
+
+
+def _orbax_loop(directory: Path, last_step: int, signal_step: int = -1) -> tuple[list[int], list[str]]:
+    """Run Orbax's preemption loop (tests/orbax_preemption_worker.py) to ``last_step``; with
+    ``signal_step``, send it SIGTERM during that step. The steps of its "resumed" line and its last line."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, str(ORBAX_WORKER), str(directory), str(last_step), str(signal_step)]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        resumed = proc.stdout.readline().split()
+        assert resumed[:1] == ["resumed"], f"the worker did not start: {resumed}\n{proc.communicate()[1][-3000:]}"
+        if signal_step >= 0:
+            line = proc.stdout.readline()
+            assert line.split() == ["in", "step", str(signal_step)], line
+            proc.send_signal(signal.SIGTERM)  # during the step: before its save(step)
+        out, err = proc.communicate("go\n", timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, f"exit {proc.returncode}: {out}\n{err[-3000:]}"
+    return [int(s) for s in resumed[1:]], out.splitlines()
+
+
+def test_orbax_preemption_loop_saves_the_step_the_notice_came_in(tmp_path):
+    """Orbax's guide: ``mngr.save(step)`` every step, ``break`` once ``mngr.reached_preemption(step)``.
+    With save_interval_steps=4, SIGTERM during step 6 must make save(6) save, so that the restart
+    resumes from step 6 (not 4), and the next regular save keeps to the interval."""
+    directory = tmp_path / "ckpts"
+    resumed, lines = _orbax_loop(directory, last_step=20, signal_step=6)
+    assert resumed == [-1] and lines[-1] == "preempted 6"
+    resumed, lines = _orbax_loop(directory, last_step=8)  # the restart
+    assert resumed == [6, 0, 4, 6], f"resumed from {resumed[0]}, kept steps {resumed[1:]}"
+    assert lines[-1] == "done 8"
+    restored = jaxckpt.restore(jaxckpt.latest_checkpoint(directory))
+    assert restored["w"].tolist() == [9] * 4  # steps 0..8, each trained once: no step lost or repeated
+
+
+@main_thread_only
+def test_save_by_step_saves_at_a_preemption_notice_as_should_save_says(tmp_path, sigterm_restored):
+    ckpt = make_ckpt()
+    with jaxckpt.CheckpointManager(
+        ckpt, tmp_path, save_interval_steps=4, save_on_preemption=True, async_save=False
+    ) as manager:
+        assert [s for s in range(6) if manager.save(step=s) is not None] == [0, 4]
+        signal.raise_signal(signal.SIGTERM)
+        assert manager.should_save(6) and manager.reached_preemption(6)
+        assert manager.save(step=6) == str(tmp_path / "ckpt-6")
+        # Not past the latest step: neither should_save nor save, notice or not.
+        assert not manager.should_save(6) and manager.save(step=6) is None
+        assert manager.all_steps() == [0, 4, 6]
