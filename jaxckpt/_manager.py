@@ -325,7 +325,9 @@ class CheckpointManager(PreemptionSaves):
         if not force and self._options.too_soon(step, last, check_interval):
             return None
         by_step = explicit_step is not None or self._options.every is not None  # Orbax's rule, not only TF's interval
-        if not force and step is not None and by_step and not self._options.due(step, self._infos):
+        # Without a step counter, a number is the step it records: Orbax's ``save(step)``, positional.
+        decided = step if step is not None or checkpoint_number is None else operator.index(checkpoint_number)
+        if not force and decided is not None and by_step and not self._due(decided):
             return None
         recorded = check_metrics(metrics)  # refuse bad metrics before anything is written
         counter = self._counter_before = self._checkpoint.save_counter
@@ -350,12 +352,16 @@ class CheckpointManager(PreemptionSaves):
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past
-        the latest checkpoint's step and divisible by ``save_interval_steps`` (any step without one),
-        or a preemption notice asks for a save at this step."""
+        the latest checkpoint's step, and divisible by ``save_interval_steps`` (any step without one)
+        or a preemption notice asks for a save at this step. (Orbax's says True at a notice even for
+        a step already saved, whose save it then refuses; here neither saves it again.)"""
         self._background.settle()
-        if self._preemption is not None and self._preemption.reached_preemption(step):
-            return True
-        return self._options.due(operator.index(step), self._infos)
+        return self._due(operator.index(step))
+
+    def _due(self, step: int) -> bool:
+        """:meth:`should_save`'s answer, which :meth:`save` follows (a preemption notice included)."""
+        preempted = self._preemption is not None and self._preemption.reached_preemption(step)
+        return self._options.due(step, self._infos, preempted)
 
     def all_steps(self) -> list[int]:
         """The steps of the kept checkpoints, oldest first (waits as ``latest_checkpoint``)."""
