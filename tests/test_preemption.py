@@ -257,15 +257,17 @@ def test_orbax_preemption_loop_saves_the_step_the_notice_came_in(tmp_path):
 
 
 @main_thread_only
-def test_save_by_step_saves_at_a_preemption_notice_as_should_save_says(tmp_path, sigterm_restored):
+@pytest.mark.parametrize("tiers", [False, True], ids=["one-tier", "two-tier"])
+def test_save_by_step_saves_at_a_preemption_notice_as_should_save_says(tmp_path, sigterm_restored, tiers):
     ckpt = make_ckpt()
+    local = {"local_directory": tmp_path / "local"} if tiers else {}
     with jaxckpt.CheckpointManager(
-        ckpt, tmp_path, save_interval_steps=4, save_on_preemption=True, async_save=False
+        ckpt, tmp_path / "ckpts", save_interval_steps=4, save_on_preemption=True, async_save=False, **local
     ) as manager:
         assert [s for s in range(6) if manager.save(step=s) is not None] == [0, 4]
         signal.raise_signal(signal.SIGTERM)
         assert manager.should_save(6) and manager.reached_preemption(6)
-        assert manager.save(step=6) == str(tmp_path / "ckpt-6")
+        assert manager.save(step=6) == str(tmp_path / ("local" if tiers else "ckpts") / "ckpt-6")
         # Not past the latest step: neither should_save nor save, notice or not.
         assert not manager.should_save(6) and manager.save(step=6) is None
         assert manager.all_steps() == [0, 4, 6]
