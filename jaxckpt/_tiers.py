@@ -114,6 +114,7 @@ class TieredManager(CheckpointManager):
         try:
             local_options = {k: v for k, v in options.items() if k in _SHARED or k == "read_only"}
             self._local = _HostTier(checkpoint, local_directory, policies=policies or [KeepLatest(2)], **local_options)
+            self._local._preemption = self._preemption  # its save(step) and should_save see a notice too
         except BaseException:
             self._close(report=False)
             raise
