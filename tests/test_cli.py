@@ -371,3 +371,15 @@ def test_python_dash_m_and_console_script(tmp_path, ckpt):
     assert result.stderr.startswith("jaxckpt: error: No checkpoint at")
     (script,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "jaxckpt"]
     assert script.value == "jaxckpt._cli:main"
+
+
+def test_ls_manager_directory_shows_the_run_metadata(capsys, tmp_path):
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(4, np.float32))
+    directory = tmp_path / "ckpts"
+    with jaxckpt.CheckpointManager(ckpt, directory, metadata={"model": "mlp", "lr": 0.001}) as manager:
+        manager.save(step=10)
+    code, out, err = run(capsys, "ls", directory)
+    assert code == 0 and err == ""
+    assert out.splitlines()[1] == '  metadata: {"model": "mlp", "lr": 0.001}'
+    code, out, _ = run(capsys, "ls", "--json", directory)
+    assert json.loads(out)["metadata"] == {"model": "mlp", "lr": 0.001}

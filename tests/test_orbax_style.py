@@ -143,3 +143,72 @@ def test_orbax_style_nnx_loop_restarts_from_an_abstract_model_bit_for_bit(tmp_pa
     assert sorted(restarted) == [15, 16, 17, 18, 19]
     for step, loss in restarted.items():
         assert loss.view(np.uint32) == uninterrupted[step].view(np.uint32), step
+
+
+# --- run-level metadata, as Orbax's CheckpointManager(..., metadata={...}) -------------------------
+
+CONFIG = {"model": "mlp", "lr": 0.001, "layers": [64, 64], "data": {"name": "toy", "shuffle": True, "seed": None}}
+
+
+def test_run_metadata_is_written_once_and_read_back_by_any_manager(tmp_path):
+    ckpt = jaxckpt.Checkpoint(w=jnp.zeros(2))
+    with _manager(ckpt, tmp_path, metadata=CONFIG) as manager:
+        assert manager.metadata() == CONFIG
+        manager.metadata()["lr"] = 1.0  # a copy: the manager's record stays as written
+        assert manager.metadata() == CONFIG
+    # A read-only manager (an evaluator) reads it before any step exists.
+    with jaxckpt.CheckpointManager(ckpt, tmp_path, read_only=True) as reader:
+        assert reader.all_steps() == [] and reader.metadata() == CONFIG
+    # Orbax's rule: written once, when the directory first gets metadata; a later manager's is ignored
+    # (with a warning here, since it differs), and the first one's is what every manager reads.
+    with pytest.warns(UserWarning, match=r"checkpoint\.metadata.*keeps the metadata it has"):
+        with _manager(ckpt, tmp_path, metadata={**CONFIG, "lr": 0.1}) as manager:
+            assert manager.metadata() == CONFIG
+            manager.save(step=1)
+    with _manager(ckpt, tmp_path) as manager:  # none given: the recorded one
+        assert manager.metadata() == CONFIG
+    with _manager(ckpt, tmp_path, metadata=dict(reversed(CONFIG.items()))) as manager:  # the same: no warning
+        assert manager.metadata() == CONFIG
+
+
+def test_run_metadata_where_none_was_written(tmp_path):
+    ckpt = jaxckpt.Checkpoint(w=jnp.zeros(2))
+    with _manager(ckpt, tmp_path) as manager:
+        assert manager.metadata() == {}
+        manager.save(step=1)
+    # Read-only: never written; the given metadata is what it reports (as Orbax's read-only manager).
+    with jaxckpt.CheckpointManager(ckpt, tmp_path, read_only=True, metadata={"a": 1}) as reader:
+        assert reader.metadata() == {"a": 1}
+    assert not (tmp_path / "checkpoint.metadata").exists()
+    # A writing manager gives a directory without metadata its first.
+    with _manager(ckpt, tmp_path, metadata={"a": 2}) as manager:
+        assert manager.metadata() == {"a": 2}
+    with jaxckpt.CheckpointManager(ckpt, tmp_path, read_only=True) as reader:
+        assert reader.metadata() == {"a": 2} and reader.all_steps() == [1]
+
+
+@pytest.mark.parametrize(
+    ("metadata", "named"),
+    [
+        ({"lr": np.float32(0.1)}, r"metadata\['lr'\] = np\.float32\(0\.1\).*float\(\)"),
+        ({"mesh": {"shape": (2, 4)}}, r"metadata\['mesh'\]\['shape'\] = \(2, 4\).*tuple.*list"),
+        ({"loss": float("nan")}, r"metadata\['loss'\] = nan"),
+        ({"layers": [64, print]}, r"metadata\['layers'\]\[1\] = <built-in function print>"),
+        ({3: "x"}, r"metadata has the key 3"),
+        ({"cfg": {"a": {(1, 2): 0}}}, r"metadata\['cfg'\]\['a'\] has the key \(1, 2\)"),
+        ([("a", 1)], r"metadata must be a mapping"),
+    ],
+)
+def test_run_metadata_must_be_json(tmp_path, metadata, named):
+    with pytest.raises(jaxckpt.UnsupportedValueError, match=named):
+        jaxckpt.CheckpointManager(jaxckpt.Checkpoint(w=jnp.zeros(2)), tmp_path / "ckpts", metadata=metadata)
+    assert not (tmp_path / "ckpts").exists()  # refused before the directory was touched
+
+
+def test_a_damaged_run_metadata_file_is_named(tmp_path):
+    ckpt = jaxckpt.Checkpoint(w=jnp.zeros(2))
+    with _manager(ckpt, tmp_path, metadata={"a": 1}):
+        pass
+    (tmp_path / "checkpoint.metadata").write_text('{"format": "jaxckpt-run-metadata", "version": 1, "metadata": [')
+    with pytest.raises(jaxckpt.CheckpointFormatError, match=r"checkpoint\.metadata"):
+        jaxckpt.CheckpointManager(ckpt, tmp_path, read_only=True).metadata()
