@@ -15,12 +15,13 @@ one character of an edge; a pattern selects the keys it matches and everything b
 from __future__ import annotations
 
 import html
+import json
 import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxckpt import _local_tree, _statefile, _storage
+from jaxckpt import _local_tree, _run_metadata, _statefile, _storage
 from jaxckpt._describe import (
     KeyTree,
     build_tree,
@@ -284,6 +285,7 @@ class ManagerView:
         self.directory = os.fspath(directory)
         self.checkpoints: list[CheckpointInfo] = _statefile.read_state(self.directory) or []
         self.disk_bytes: dict[str, int | None] = {c.path: disk_bytes(c.path) for c in self.checkpoints}
+        self.metadata = _run_metadata.read(_storage.location(self.directory))  # None: none recorded
         # A two-tier manager's directory (jaxckpt._tiers): which tier this is, and the other one's view.
         self.tiers = _statefile.read_tiers(self.directory)
         self.tier: str | None = None
@@ -325,6 +327,9 @@ class ManagerView:
     def text(self) -> str:
         what = f"{self.tier} tier of a two-tier " if self.tier else ""
         lines = [f"{self.directory}  ({what}CheckpointManager directory: {self.summary()})"]
+        if self.metadata:
+            text = json.dumps(self.metadata, ensure_ascii=False)
+            lines.append(f"  metadata: {text if len(text) <= 200 else text[:197] + '...'}")
         rows = self._rows()
         if rows:
             head = ("  CHECKPOINT", "STEP", "SAVED", "SIZE", "METRICS")
@@ -350,6 +355,7 @@ class ManagerView:
             "directory": self.directory,
             "tier": self.tier,
             "tiers": self.tiers,
+            "metadata": self.metadata,
             "other_tier": self.other.to_json() if self.other is not None else None,
             "latest": self.checkpoints[-1].path if self.checkpoints else None,
             "checkpoints": [

@@ -22,6 +22,7 @@ snapshot went well, and all raise together if one did not, so that the next save
 
 from __future__ import annotations
 
+import copy
 import operator
 import os
 import time
@@ -29,7 +30,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxckpt import _lock, _multihost, _retention, _save, _staging, _startup, _storage
+from jaxckpt import _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError
@@ -90,7 +91,8 @@ class CheckpointManager(PreemptionSaves):
     Orbax's calls work beside TensorFlow's, on the same state file and retention: ``save(step=s)``
     (``ckpt-<s>``, saved when :meth:`should_save` says so: past the latest step and divisible by
     ``save_interval_steps``), :meth:`all_steps`, :meth:`latest_step`, and :meth:`restore` by step
-    into :attr:`checkpoint`.
+    into :attr:`checkpoint`. ``metadata={...}`` records the run's configuration (JSON) once for the
+    directory, in ``checkpoint.metadata``, and :meth:`metadata` reads it back.
 
     **Two tiers.** With ``local_directory`` (a fast disk of this host: NVMe, ``/dev/shm``), saves go
     there, kept by ``local_policies`` (default: the latest 2), and the checkpoint of every
@@ -136,7 +138,9 @@ class CheckpointManager(PreemptionSaves):
         local_policies: RetentionPolicy | Sequence[RetentionPolicy] = (),
         durable_interval_steps: int | None = None,
         preemption_grace_s: float = 30.0,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
+        given = None if metadata is None else _run_metadata.check(metadata)  # before the directory is touched
         self._options = options = ManagerOptions.check(
             max_to_keep=max_to_keep,
             keep_checkpoint_every_n_hours=keep_checkpoint_every_n_hours,
@@ -181,6 +185,8 @@ class CheckpointManager(PreemptionSaves):
         try:
             # A manager that writes also checks whose directory it is, adopts and cleans up (see _startup).
             self._infos, self._last_preserved = _startup.take_over(self._path, self._directory, options, self._primary)
+            self._given_metadata = given
+            self._metadata = _run_metadata.start(self._path, given, write=self._primary and not read_only)
             # Last, so that a manager that fails to start leaves SIGTERM alone (close() puts it back).
             if save_on_preemption:
                 self._preemption = PreemptionHandler()
@@ -362,6 +368,12 @@ class CheckpointManager(PreemptionSaves):
         """:meth:`should_save`'s answer, which :meth:`save` follows (a preemption notice included)."""
         preempted = self._preemption is not None and self._preemption.reached_preemption(step)
         return self._options.due(step, self._infos, preempted)
+
+    def metadata(self) -> dict[str, Any]:
+        """The run's metadata: what the directory's first manager given ``metadata={...}`` recorded
+        (Orbax's rule: written once; see :mod:`jaxckpt._run_metadata`), else what this manager was
+        given (a read-only one never writes), else ``{}``. A copy: changing it changes nothing."""
+        return copy.deepcopy(self._metadata)
 
     def all_steps(self) -> list[int]:
         """The steps of the kept checkpoints, oldest first (waits as ``latest_checkpoint``)."""

@@ -7,6 +7,7 @@ adamw, a data iterator, and a restart from an abstract model that continues bit 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import jax
@@ -167,8 +168,10 @@ def test_run_metadata_is_written_once_and_read_back_by_any_manager(tmp_path):
             manager.save(step=1)
     with _manager(ckpt, tmp_path) as manager:  # none given: the recorded one
         assert manager.metadata() == CONFIG
-    with _manager(ckpt, tmp_path, metadata=dict(reversed(CONFIG.items()))) as manager:  # the same: no warning
-        assert manager.metadata() == CONFIG
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _manager(ckpt, tmp_path, metadata=dict(reversed(CONFIG.items()))) as manager:  # the same: no warning
+            assert manager.metadata() == CONFIG
 
 
 def test_run_metadata_where_none_was_written(tmp_path):
