@@ -519,3 +519,89 @@ def test_public_names():
     ):
         assert name in jaxckpt.__all__
     assert issubclass(jaxckpt.ManagerLockedError, jaxckpt.JaxckptError)
+
+
+# --- an evaluator follows a live trainer (Orbax's reload) -----------------------------------------
+
+
+def test_a_read_only_manager_follows_a_trainer_in_the_same_directory(tmp_path):
+    trainer_ckpt = make_ckpt()
+    evaluated = make_ckpt()
+    with (
+        jaxckpt.CheckpointManager(trainer_ckpt, tmp_path, max_to_keep=3, async_save=False) as trainer,
+        jaxckpt.CheckpointManager(evaluated, tmp_path, read_only=True) as evaluator,
+    ):
+        assert evaluator.all_steps() == [] and evaluator.latest_step() is None
+        for step in (1, 2, 3):
+            trainer_ckpt.w = np.full((2, 3), step, np.float32)
+            trainer.save(step=step)
+        assert evaluator.all_steps() == []  # what it read when it opened, until reload()
+        evaluator.reload()
+        assert evaluator.all_steps() == [1, 2, 3] and evaluator.latest_step() == 3
+        assert evaluator.latest_checkpoint == str(tmp_path / "ckpt-3")
+        for step in (4, 5):
+            trainer_ckpt.w = np.full((2, 3), step, np.float32)
+            trainer.save(step=step)
+        # A step that appeared since: restore re-reads the state file, no reload() needed.
+        evaluator.restore(5).assert_consumed()
+        assert evaluated.w.tolist() == [[5.0] * 3] * 2
+        assert evaluator.all_steps() == [3, 4, 5]  # and the manager now knows it
+        with pytest.raises(
+            jaxckpt.CheckpointNotFoundError, match=r"no checkpoint of step 1; its kept steps are \[3, 4, 5\]"
+        ):
+            evaluator.restore(1)  # deleted by the trainer's retention: still refused, naming the kept ones
+        trainer.reload()  # a manager that writes reloads too: it lists what it has
+        assert trainer.all_steps() == [3, 4, 5]
+
+
+TRAINER = """
+import sys
+import numpy as np
+import jaxckpt
+
+ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros((2, 3), np.float32))
+with jaxckpt.CheckpointManager(ckpt, sys.argv[1], max_to_keep=2, metadata={"lr": 0.5}) as manager:
+    for step in range(1, 4):
+        ckpt.step, ckpt.w = step, np.full((2, 3), step, np.float32)
+        manager.save(step=step)
+        manager.wait_until_finished()
+        print("saved", step, flush=True)
+        sys.stdin.readline()  # the evaluator has looked: train on
+"""
+
+
+def test_an_evaluator_process_follows_a_trainer_process(tmp_path):
+    """The README's evaluation job: a read-only manager, opened before the trainer's first save,
+    restores each step the trainer saves as it appears (the trainer waits for it by a pipe)."""
+    evaluated = make_ckpt()
+    evaluator = jaxckpt.CheckpointManager(evaluated, tmp_path, read_only=True)
+    assert evaluator.all_steps() == [] and evaluator.metadata() == {}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(tmp_path)],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # import this checkout's jaxckpt
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for step in range(1, 4):
+            line = trainer.stdout.readline()
+            assert line.split() == ["saved", str(step)], (
+                f"{line!r}\n{trainer.stderr.read()[-3000:] if not line else ''}"
+            )
+            evaluator.restore(step).assert_consumed()  # appeared since the evaluator opened
+            assert evaluated.step == step and evaluated.w.tolist() == [[float(step)] * 3] * 2
+            evaluator.reload()
+            assert evaluator.latest_step() == step and evaluator.all_steps() == list(range(max(1, step - 1), step + 1))
+            assert evaluator.metadata() == {"lr": 0.5}  # recorded after the evaluator opened
+            trainer.stdin.write("next\n")
+            trainer.stdin.flush()
+        _, err = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.communicate()
+    assert trainer.returncode == 0, err[-3000:]
+    evaluator.close()

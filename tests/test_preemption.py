@@ -222,6 +222,7 @@ def _orbax_loop(directory: Path, last_step: int, signal_step: int = -1) -> tuple
     """Run Orbax's preemption loop (tests/orbax_preemption_worker.py) to ``last_step``; with
     ``signal_step``, send it SIGTERM during that step. The steps of its "resumed" line and its last line."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ORBAX_WORKER.parent.parent), env.get("PYTHONPATH", "")])  # this checkout
     cmd = [sys.executable, str(ORBAX_WORKER), str(directory), str(last_step), str(signal_step)]
     proc = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
