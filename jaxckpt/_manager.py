@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxckpt import _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _storage
+from jaxckpt import _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError
@@ -391,6 +391,9 @@ class CheckpointManager(PreemptionSaves):
         the kept steps, if there is no such checkpoint."""
         self._background.wait()
         matches = [c for c in self._infos if step is None or c.step == operator.index(step)]
+        if not matches and self._options.read_only:  # saved since this manager read the state file?
+            self.reload()
+            matches = [c for c in self._infos if step is None or c.step == operator.index(step)]
         if not matches:
             raise CheckpointNotFoundError(
                 f"{self._directory!r} has no checkpoint"
@@ -400,6 +403,21 @@ class CheckpointManager(PreemptionSaves):
         status = self._checkpoint.restore(matches[-1].path)
         self._restored()
         return status
+
+    def reload(self) -> None:
+        """Read the state file (and the run metadata) again, as Orbax's ``reload``: for a manager that
+        follows another one's directory, an evaluator's ``read_only=True`` manager beside a live
+        trainer, :meth:`all_steps`, :meth:`latest_step` and the checkpoint lists then include the
+        steps saved since, and drop those deleted since. :meth:`restore` of a step this read-only
+        manager does not know reloads by itself. A manager that writes lists what it wrote: for it,
+        this only waits for its background save."""
+        self._background.wait()
+        if self._options.read_only:
+            state = _statefile.read_full_state(self._directory)
+            self._infos = state[0] if state is not None else []
+        recorded = _run_metadata.read(self._path)
+        if recorded is not None:
+            self._metadata = recorded
 
     def _restored(self) -> None:
         """As TF's restore_or_initialize: the interval counts from the restored step."""
