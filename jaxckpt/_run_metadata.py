@@ -72,7 +72,9 @@ def _check(value: Any, path: str, depth: int) -> Any:
     if isinstance(value, tuple):
         raise _bad(path, value, "is a tuple, which JSON would give back as a list: pass a list")
     if hasattr(value, "item") and hasattr(value, "dtype"):  # a NumPy or JAX scalar or array
-        raise _bad(path, value, "is an array or array scalar, not a Python number: convert it with float(), int() or .tolist()")
+        raise _bad(
+            path, value, "is an array or array scalar, not a Python number: convert it with float(), int() or .tolist()"
+        )
     raise _bad(path, value, f"is a {type(value).__module__}.{type(value).__qualname__}")
 
 
@@ -120,7 +122,9 @@ def read(folder: _storage.Location) -> dict[str, Any] | None:
             "untouched; remove the file (the run's metadata is then forgotten) or put back the one jaxckpt wrote."
         ) from None
     if not isinstance(doc, dict) or doc.get("format") != METADATA_FORMAT:
-        raise CheckpointFormatError(f'{where!r} is not a jaxckpt run metadata file: it has no "format": "{METADATA_FORMAT}".')
+        raise CheckpointFormatError(
+            f'{where!r} is not a jaxckpt run metadata file: it has no "format": "{METADATA_FORMAT}".'
+        )
     version = doc.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise CheckpointFormatError(f"{where!r}: its version {version!r} is not a positive int.")
@@ -144,7 +148,9 @@ def start(folder: _storage.Location, given: dict[str, Any] | None, *, write: boo
             _storage.write_file_atomic(folder, METADATA_FILE, _encode(given))
         return {} if given is None else given
     if given is not None and not _same(given, recorded):
-        changed = sorted(k for k in given.keys() | recorded.keys() if not _same({k: given.get(k)}, {k: recorded.get(k)}))
+        changed = sorted(
+            k for k in given.keys() | recorded.keys() if not _same({k: given.get(k)}, {k: recorded.get(k)})
+        )
         warnings.warn(
             f"{str(folder / METADATA_FILE)!r} keeps the metadata it has, recorded by the run's first manager: the "
             f"metadata given here differs in {changed}, and is not recorded (Orbax's rule: written once). "
