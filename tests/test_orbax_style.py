@@ -7,6 +7,7 @@ adamw, a data iterator, and a restart from an abstract model that continues bit 
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -215,3 +216,54 @@ def test_a_damaged_run_metadata_file_is_named(tmp_path):
     (tmp_path / "checkpoint.metadata").write_text('{"format": "jaxckpt-run-metadata", "version": 1, "metadata": [')
     with pytest.raises(jaxckpt.CheckpointFormatError, match=r"checkpoint\.metadata"):
         jaxckpt.CheckpointManager(ckpt, tmp_path, read_only=True).metadata()
+
+
+# --- iterator state that is bytes, as grain's DataLoader iterator gives it ------------------------
+
+
+class BytesStateIterator:
+    """A data iterator whose ``get_state()`` returns bytes, as grain's ``DataLoader`` iterator does
+    (its state is JSON encoded to bytes); ``set_state`` takes them back."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __next__(self) -> int:
+        self.position += 1
+        return self.position
+
+    def get_state(self) -> bytes:
+        return json.dumps({"last_seen_indices": {"0": self.position - 1}, "worker": 0}).encode() + b"\x00\xff"
+
+    def set_state(self, state: bytes) -> None:
+        assert isinstance(state, bytes), type(state)
+        assert state.endswith(b"\x00\xff")
+        self.position = json.loads(state[:-2])["last_seen_indices"]["0"] + 1
+
+
+def test_iterator_state_that_is_bytes_is_saved_and_given_back(tmp_path):
+    data = BytesStateIterator()
+    ckpt = jaxckpt.Checkpoint(data=data, w=jnp.zeros(2))
+    with _manager(ckpt, tmp_path) as manager:
+        for step in range(3):
+            next(data)
+            manager.save(step=step)
+    resumed = BytesStateIterator()
+    with _manager(jaxckpt.Checkpoint(data=resumed, w=jnp.zeros(2)), tmp_path) as manager:
+        manager.restore(1).assert_consumed()
+        assert resumed.position == 2 and next(resumed) == 3
+    saved = tmp_path / "ckpt-2"
+    assert jaxckpt.restore(saved)["data"] == data.get_state()  # without a template: the bytes
+    view = jaxckpt.inspect(saved)
+    assert "data" in view.keys()
+    # JSON states still work beside it, and a state that is neither is refused, naming the key.
+    with pytest.raises(jaxckpt.UnsupportedValueError, match=r"'data'.*get_state\(\).*not JSON or bytes"):
+        jaxckpt.save(tmp_path / "bad", {"data": _Odd(), "json": ToyIterator()})
+
+
+class _Odd:
+    def get_state(self) -> set[int]:
+        return {1, 2}
+
+    def set_state(self, state: object) -> None:
+        pass
