@@ -228,6 +228,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 _VALUE_TYPES = {
     "state": "object state (the JSON of get_state(), given to set_state() on restore)",
+    "state_bytes": "object state (the bytes of get_state(), given to set_state() on restore; shown as base64)",
     "none": "None",
 }
 

@@ -9,6 +9,7 @@ key (``optimizer``) selects its subtree.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import json
@@ -135,6 +136,8 @@ def json_value(value: Any) -> Any:
         return {k: json_value(v) for k, v in value.items()}
     if isinstance(value, list):
         return [json_value(v) for v in value]
+    if isinstance(value, bytes):  # a state_bytes leaf: as the index holds it
+        return base64.b64encode(value).decode("ascii")
     return value
 
 

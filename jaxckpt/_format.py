@@ -78,9 +78,11 @@ NUMPY: Final = "numpy"
 NUMPY_SCALAR: Final = "numpy_scalar"
 CONTAINERS: frozenset[str] = frozenset({JAX, NUMPY, NUMPY_SCALAR})
 
-# What a value leaf holds: a Python scalar or str, None, or an object's JSON state.
+# What a value leaf holds: a Python scalar or str, None, or an object's state: JSON ("state"), or
+# bytes ("state_bytes", base64 in the index), as grain's DataLoader iterator's get_state() returns.
+# A jaxckpt older than "state_bytes" refuses an index with one as an unknown leaf type, by name.
 ScalarType = Literal["int", "float", "bool", "str"]
-ValueType = Literal["int", "float", "bool", "str", "none", "state"]
+ValueType = Literal["int", "float", "bool", "str", "none", "state", "state_bytes"]
 SCALAR_TYPES: dict[ScalarType, type] = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -225,7 +227,8 @@ class ArrayLeaf:
 
 @dataclasses.dataclass(frozen=True)
 class ValueLeaf:
-    """A Python scalar, str or None (``type`` in SCALAR_TYPES or "none"), or a JSON ``state``."""
+    """A Python scalar, str or None (``type`` in SCALAR_TYPES or "none"), or an object's ``state``
+    (JSON) or ``state_bytes`` (bytes)."""
 
     type: ValueType
     value: Any

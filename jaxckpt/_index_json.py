@@ -6,6 +6,8 @@ dtype, or an allocation that its own data does not back.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -65,6 +67,8 @@ def _float_to_json(x: float) -> float | str:
 def _leaf_to_json(leaf: Leaf, meshes: Mapping[int, int]) -> dict[str, Any]:
     if isinstance(leaf, ValueLeaf):
         value = _float_to_json(leaf.value) if leaf.type == "float" else leaf.value
+        if leaf.type == "state_bytes":
+            value = base64.b64encode(leaf.value).decode("ascii")
         return {"type": leaf.type, "value": value}
     out: dict[str, Any] = {
         "type": "prng_key" if leaf.prng_impl else "array",
@@ -348,6 +352,11 @@ def _parse_leaf(raw: Any, packs: list[Pack], meshes: list[MeshRecord], version: 
         return ValueLeaf("none", None)
     if kind == "state":
         return ValueLeaf("state", _get(raw, "value", (dict, list, str, int, float, bool, type(None)), where))
+    if kind == "state_bytes":
+        try:
+            return ValueLeaf("state_bytes", base64.b64decode(_get(raw, "value", str, where), validate=True))
+        except (binascii.Error, ValueError):
+            raise _fail(where, "state_bytes value is not base64 text") from None
     if is_scalar_type(kind):
         if kind == "float":
             value = _get(raw, "value", (int, float, str), where)

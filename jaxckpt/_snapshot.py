@@ -92,12 +92,14 @@ def value_leaf(key: str, x: Any) -> ValueLeaf | None:
         return ValueLeaf("str", _utf8(key, str(x)))
     if is_state_object(x):
         state = x.get_state()
+        if isinstance(state, (bytes, bytearray, memoryview)):  # grain's DataLoader iterator's, say
+            return ValueLeaf("state_bytes", bytes(state))
         try:  # as the index encodes it: UTF-8, so a lone surrogate fails here and not in the background
             json.dumps(state, allow_nan=False, ensure_ascii=False).encode("utf-8")
         except (TypeError, ValueError) as e:
             raise UnsupportedValueError(
-                f"Cannot save {describe(key)}: {type(x).__name__}.get_state() returned a value that is not JSON ({e}). "
-                "Return dicts, lists, str, int, finite floats, bool and None."
+                f"Cannot save {describe(key)}: {type(x).__name__}.get_state() returned a value that is not JSON or "
+                f"bytes ({e}). Return bytes, or dicts, lists, str, int, finite floats, bool and None."
             ) from e
         return ValueLeaf("state", state)
     return None

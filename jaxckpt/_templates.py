@@ -25,7 +25,7 @@ NO_TEMPLATE = object()
 
 def held_text(leaf: Leaf) -> str:
     if isinstance(leaf, ValueLeaf):
-        return {"none": "None", "state": "an object state (JSON)"}.get(
+        return {"none": "None", "state": "an object state (JSON)", "state_bytes": "an object state (bytes)"}.get(
             leaf.type, f"a Python {leaf.type} ({leaf.value!r})"
         )
     if leaf.prng_impl:
@@ -72,7 +72,7 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
             raise _mismatch(key, leaf, template)
         return
     if is_state_object(template):
-        if not (isinstance(leaf, ValueLeaf) and leaf.type == "state"):
+        if not (isinstance(leaf, ValueLeaf) and leaf.type in ("state", "state_bytes")):
             raise _mismatch(key, leaf, template)
         return
     if isinstance(template, (bool, int, float, str)):
