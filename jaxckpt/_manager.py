@@ -89,8 +89,8 @@ class CheckpointManager(PreemptionSaves):
     it leaves the manager open and the directory locked until the save ends (at exit at the latest).
 
     Orbax's calls work beside TensorFlow's, on the same state file and retention: ``save(step=s)``
-    (``ckpt-<s>``, saved when :meth:`should_save` says so: past the latest step and divisible by
-    ``save_interval_steps``), :meth:`all_steps`, :meth:`latest_step`, and :meth:`restore` by step
+    (``ckpt-<s>``, saved exactly when :meth:`should_save` says so: past the latest step, and divisible
+    by ``save_interval_steps`` or at a preemption notice), :meth:`all_steps`, :meth:`latest_step`, and :meth:`restore` by step
     into :attr:`checkpoint`. ``metadata={...}`` records the run's configuration (JSON) once for the
     directory, in ``checkpoint.metadata``, and :meth:`metadata` reads it back.
 
@@ -185,7 +185,6 @@ class CheckpointManager(PreemptionSaves):
         try:
             # A manager that writes also checks whose directory it is, adopts and cleans up (see _startup).
             self._infos, self._last_preserved = _startup.take_over(self._path, self._directory, options, self._primary)
-            self._given_metadata = given
             self._metadata = _run_metadata.start(self._path, given, write=self._primary and not read_only)
             # Last, so that a manager that fails to start leaves SIGTERM alone (close() puts it back).
             if save_on_preemption:
@@ -263,7 +262,9 @@ class CheckpointManager(PreemptionSaves):
         the step is the one this manager last saved or restored (see :meth:`restore_or_initialize`),
         or, unless ``check_interval=False``, fewer than ``checkpoint_interval`` steps after it; a
         manager that has neither saved nor restored yet saves. It also returns None when
-        :meth:`should_save` says no (``save_interval_steps``). ``force=True`` saves regardless.
+        :meth:`should_save` says no (``save_interval_steps``; a preemption notice says yes), for the
+        step counter's step, ``step``, or without a step counter ``checkpoint_number`` (so that Orbax's
+        positional ``save(step)`` keeps to the interval). ``force=True`` saves regardless.
         ``checkpoint_number`` names it (``save(checkpoint_number=n)`` gives ``ckpt-<n>``); numbers already
         listed are refused. ``step=s``, as Orbax's managers take it, names it ``ckpt-<s>`` and records
         ``s`` as its step (no ``step_counter`` needed). ``metrics`` are recorded for :class:`KeepBest`
