@@ -60,6 +60,8 @@ def test_save_interval_steps_follows_orbax(tmp_path):
         assert saved == [0, 5, 10] and manager.all_steps() == [0, 5, 10]
         assert not manager.should_save(10) and manager.should_save(15)
         assert manager.save(step=11, force=True) is not None  # force saves anyway
+        # Orbax writes mngr.save(step, ...): positional, it is decided the same way (no step counter here).
+        assert [s for s in range(12, 21) if manager.save(s) is not None] == [15, 20]
     with pytest.raises(ValueError, match="save_interval_steps must be a positive int"):
         jaxckpt.CheckpointManager(ckpt, tmp_path / "other", save_interval_steps=0)
 
