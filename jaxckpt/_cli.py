@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _statefile
+from jaxckpt import _open, _statefile, _storage
 from jaxckpt._describe import json_value, leaf_json, leaf_shape, leaf_type
 from jaxckpt._diff import diff
 from jaxckpt._errors import (
@@ -105,15 +105,17 @@ def _one_checkpoint(path: str) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    if is_manager_directory(args.path):
+    found = _open.probe(_storage.location(args.path))  # one look; what it read is handed on
+    if _open.is_manager_directory(found):
         if args.patterns:
+            latest = _statefile.parse_full_state(found.location, found.state)
             raise UsageError(
                 f"{args.path!r} is a manager's directory, which lists checkpoints; patterns select keys "
-                f"of one checkpoint. Pass one of them, e.g. {_statefile.latest_checkpoint(args.path)!r}."
+                f"of one checkpoint. Pass one of them, e.g. {latest[0][-1].path if latest and latest[0] else None!r}."
             )
-        view: CheckpointView | ManagerView = ManagerView(args.path)
+        view: CheckpointView | ManagerView = ManagerView(found.location, state=found.state)
     else:
-        view = CheckpointView(args.path, args.patterns)
+        view = CheckpointView(found.location, args.patterns, found=found)
     if args.json:
         _print_json(view.to_json())
     elif args.flat and isinstance(view, CheckpointView):

@@ -22,7 +22,7 @@ class Probe(NamedTuple):
 
     location: _storage.Location
     checkpoint: bool
-    index: bytes | None  # a kvstore's index, read (bounded) by the look itself; None for local folders
+    index_bytes: bytes | None  # a kvstore's index, read (bounded) by the look itself; None for local folders
     state: bytes | None  # without an index: the state file's bytes, if there is one
 
 
@@ -67,7 +67,17 @@ def open_latest(path: PathLike | _storage.Location) -> Opened:
     """The checkpoint at ``path``; a manager's directory (a state file, no index) means its latest
     checkpoint, as TensorFlow's ``load_variable`` takes a directory. So does a directory that
     TensorFlow's, Orbax's or Flax's manager keeps."""
-    found = probe(_storage.location(path))
+    return open_found(probe(_storage.location(path)))
+
+
+def is_manager_directory(found: Probe) -> bool:
+    """Whether what :func:`probe` found is a jaxckpt manager's directory: a state file of jaxckpt's
+    (not TensorFlow's, which has the same name) and no index."""
+    return not found.checkpoint and found.state is not None and not _statefile.is_tensorflow_state(found.state)
+
+
+def open_found(found: Probe) -> Opened:
+    """:func:`open_latest` of what :func:`probe` found (nothing there is read again)."""
     location, text = found.location, found.location.text
     if not found.checkpoint:
         state = _statefile.parse_full_state(location, found.state, tensorflow_is_none=True)
@@ -90,7 +100,7 @@ def open_latest(path: PathLike | _storage.Location) -> Opened:
     try:
         if not found.checkpoint and location.local is None:  # its index was looked for already
             raise _storage.no_index(location)
-        return open_checkpoint(location, found.index)
+        return open_checkpoint(location, found.index_bytes)
     except NotACheckpointError as e:
         raise not_a_checkpoint(location, e) from None
 

@@ -254,7 +254,12 @@ def _create(base: dict[str, Any], path: str, metadata: dict[str, Any], context: 
     folder = ts.KvStore.open(_sub(base, path), context=context).result()  # no request
     written = folder.write("zarr.json", document)
     # Chunks of zeros are stored too: a reader then treats any missing chunk as damage.
-    spec = {"driver": "zarr3", "kvstore": _sub(base, path), "metadata": metadata, "store_data_equal_to_fill_value": True}
+    spec = {
+        "driver": "zarr3",
+        "kvstore": _sub(base, path),
+        "metadata": metadata,
+        "store_data_equal_to_fill_value": True,
+    }
     return _Created(written, ts.open(spec, open=True, assume_metadata=True, context=context))
 
 
