@@ -191,6 +191,19 @@ def test_ls_of_a_checkpoint_reads_its_index_once(bucket, capsys):
     assert "w" in capsys.readouterr().out
 
 
+def test_show_and_verify_read_the_index_once(bucket, capsys):
+    path = jaxckpt.save(f"{bucket.url}/c", TREE)
+    data = _data_objects(bucket.keys(), "c/")
+    assert _cli.main(["verify", path]) == 0
+    expected = Counter({("GET", "c/index.json"): BOUNDED_READ, ("GET", "c/data/checksums.json"): BOUNDED_READ})
+    expected.update(("GET", f"c/{key}") for key in data)
+    assert _reads(bucket.requests()) == expected  # 9 before: the index read twice
+    bucket.proxy.clear()
+    assert _cli.main(["show", path, "step"]) == 0
+    assert bucket.requests() == [("GET", "c/index.json")] * BOUNDED_READ  # a Python value: the index alone
+    capsys.readouterr()
+
+
 def test_latest_checkpoint_reads_the_state_file_once(bucket):
     run = _manager_run(bucket)
     assert jaxckpt.latest_checkpoint(run) == f"{run}/ckpt-2"
