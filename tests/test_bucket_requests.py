@@ -60,13 +60,24 @@ class Bucket(NamedTuple):
 
 
 def _request(scheme: str, method: str, path: str, prefix: str) -> tuple[str, str]:
-    if scheme != "s3":
-        raise NotImplementedError(f"say how a {scheme} request names its object")
+    """A request in the S3 vocabulary: GET, PUT, HEAD, DELETE of a key, or LIST of a prefix."""
     where = urllib.parse.urlsplit(path)
     query = urllib.parse.parse_qs(where.query)
-    if method == "GET" and "list-type" in query:
-        return "LIST", query.get("prefix", [""])[0].removeprefix(prefix)
-    key = urllib.parse.unquote(where.path).removeprefix(f"/{BUCKET}/")
+    if scheme == "s3":
+        if method == "GET" and "list-type" in query:
+            return "LIST", query.get("prefix", [""])[0].removeprefix(prefix)
+        key = urllib.parse.unquote(where.path).removeprefix(f"/{BUCKET}/")
+    elif scheme == "gs":  # the JSON API, as TensorStore's gcs driver speaks it (not run until a gs server is added)
+        if where.path.startswith("/upload/"):
+            method, key = "PUT", query["name"][0]
+        elif "/o/" not in where.path:
+            return "LIST", query.get("prefix", [""])[0].removeprefix(prefix)
+        else:
+            key = urllib.parse.unquote(where.path.split("/o/", 1)[1])
+            if method == "GET" and query.get("alt") != ["media"]:
+                method = "HEAD"  # the object's metadata, not its bytes
+    else:
+        raise NotImplementedError(f"say how a {scheme} request names its object")
     assert key.startswith(prefix), (method, path)
     return method, key.removeprefix(prefix)
 
