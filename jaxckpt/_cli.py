@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt import _statefile
+from jaxckpt import _open, _statefile, _storage
 from jaxckpt._describe import json_value, leaf_json, leaf_shape, leaf_type
 from jaxckpt._diff import diff
 from jaxckpt._errors import (
@@ -51,7 +51,6 @@ from jaxckpt._open import open_latest
 from jaxckpt._progress import Progress, human_bytes
 from jaxckpt._reader import Opened
 from jaxckpt._scan import Stats, number_text, pieces
-from jaxckpt._statefile import is_manager_directory
 from jaxckpt._tree import describe
 from jaxckpt._verify import Verified, verify
 
@@ -90,30 +89,35 @@ def _tree_ascii() -> bool:
         return True
 
 
-def _one_checkpoint(path: str) -> str:
-    """``path``, or the latest checkpoint if ``path`` is a manager's directory."""
-    if not is_manager_directory(path):
-        return path
-    latest = _statefile.latest_checkpoint(path)
-    if latest is None:
+def _one_checkpoint(path: str) -> _open.Probe:
+    """What is at ``path`` (one look, see :func:`jaxckpt._open.probe`), or at the latest checkpoint if
+    ``path`` is a manager's directory; open it with :func:`jaxckpt._open.open_found`."""
+    found = _open.probe(_storage.location(path))
+    if not _open.is_manager_directory(found):
+        return found
+    state = _statefile.parse_full_state(found.location, found.state)
+    if not state or not state[0]:
         raise NotACheckpointError(f"{path!r} is a manager's directory, but its state file lists no checkpoint.")
+    latest = found.location / os.path.basename(state[0][-1].path)
     _note(f"{path} is a manager's directory; using its latest checkpoint, {latest}")
-    return latest
+    return _open.probe(latest)
 
 
 # --- ls ----------------------------------------------------------------------------------------
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    if is_manager_directory(args.path):
+    found = _open.probe(_storage.location(args.path))  # one look; what it read is handed on
+    if _open.is_manager_directory(found):
         if args.patterns:
+            latest = _statefile.parse_full_state(found.location, found.state)
             raise UsageError(
                 f"{args.path!r} is a manager's directory, which lists checkpoints; patterns select keys "
-                f"of one checkpoint. Pass one of them, e.g. {_statefile.latest_checkpoint(args.path)!r}."
+                f"of one checkpoint. Pass one of them, e.g. {latest[0][-1].path if latest and latest[0] else None!r}."
             )
-        view: CheckpointView | ManagerView = ManagerView(args.path)
+        view: CheckpointView | ManagerView = ManagerView(found.location, state=found.state)
     else:
-        view = CheckpointView(args.path, args.patterns)
+        view = CheckpointView(found.location, args.patterns, found=found)
     if args.json:
         _print_json(view.to_json())
     elif args.flat and isinstance(view, CheckpointView):
@@ -166,12 +170,12 @@ def _first_values(opened: Opened, key: str, leaf: ArrayLeaf, count: int, progres
 def _cmd_show(args: argparse.Namespace) -> int:
     if args.values < 0:
         raise UsageError(f"--values must be 0 or more, not {args.values}.")
-    path = _one_checkpoint(args.path)
-    opened = open_latest(path)
+    found = _one_checkpoint(args.path)
+    opened = _open.open_found(found)
     index, key = opened.index, args.key
     if key in index.nodes:
         info = index.nodes[key]
-        sub = CheckpointView(path, [key])
+        sub = CheckpointView(found.location, [key], found=found)
         if args.json:
             _print_json({**sub.to_json(), "node": {"key": key, "kind": info.kind, "class": info.cls}})
         else:
@@ -254,10 +258,14 @@ def _print_rows(rows: Sequence[tuple[str, str]]) -> None:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    a, b = _one_checkpoint(args.a), _one_checkpoint(args.b)
-    total = sum(v.nbytes for v in CheckpointView(a, args.patterns).leaves.values() if isinstance(v, ArrayLeaf))
+    found_a, found_b = _one_checkpoint(args.a), _one_checkpoint(args.b)
+    a, b = found_a.location.text, found_b.location.text
+    opened_a, opened_b = _open.open_found(found_a), _open.open_found(found_b)  # each index read once
+    total = sum(
+        v.nbytes for v in CheckpointView(a, args.patterns, found=found_a).leaves.values() if isinstance(v, ArrayLeaf)
+    )
     with Progress(total, "diff") as progress:
-        result = diff(a, b, args.patterns, atol=args.atol, progress=progress)
+        result = diff(opened_a, opened_b, args.patterns, atol=args.atol, progress=progress)
     if args.json:
         _print_json(
             {
@@ -296,20 +304,22 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    is_dir = is_manager_directory(args.path)
+    looked = _open.probe(_storage.location(args.path))
+    is_dir = _open.is_manager_directory(looked)
     if is_dir:
-        infos = _statefile.read_state(args.path) or []
-        paths = [c.path for c in infos]
+        state = _statefile.parse_full_state(looked.location, looked.state)
+        paths = [c.path for c in state[0]] if state is not None else []
         if not paths:
             _note(f"{args.path} is a manager's directory with no checkpoints; nothing to verify")
     else:
         paths = [args.path]
     results = []
     for path in paths:
-        total = sum(v.nbytes for v in _leaves_or_empty(path))
+        opened = _opened_or_none(path if is_dir else looked)
+        total = sum(v.nbytes for v in opened.index.leaves.values() if isinstance(v, ArrayLeaf)) if opened else 0
         with Progress(total, f"verify {path}") as progress:
             try:
-                results.append(verify(path, progress))
+                results.append(verify(path, progress, opened=opened))
             except JaxckptError as e:
                 if not is_dir:
                     raise
@@ -381,12 +391,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _leaves_or_empty(path: str) -> list[ArrayLeaf]:
-    """The array leaves, for the progress bar's total; errors surface in :func:`verify` itself."""
+def _opened_or_none(path: str | _open.Probe) -> Opened | None:
+    """The checkpoint at ``path`` (or what a probe found) opened, for the progress bar's total and then
+    read by :func:`verify`; or None: errors surface in :func:`verify` itself, which opens it again."""
     try:
-        return [v for v in open_latest(path).index.leaves.values() if isinstance(v, ArrayLeaf)]
+        return _open.open_found(path) if isinstance(path, _open.Probe) else open_latest(path)
     except (JaxckptError, OSError):
-        return []
+        return None
 
 
 # --- the parser --------------------------------------------------------------------------------

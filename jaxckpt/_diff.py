@@ -13,6 +13,7 @@ from jaxckpt._describe import json_value, key_matcher, leaf_shape, leaf_type, se
 from jaxckpt._format import ArrayLeaf, Leaf, ValueLeaf
 from jaxckpt._open import open_latest
 from jaxckpt._progress import Progress
+from jaxckpt._reader import Opened
 from jaxckpt._scan import array_leaf, batches, number_text, numeric, one_large, pieces, read_arrays
 
 
@@ -55,9 +56,17 @@ def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float("nan") if np.isnan(d).any() else float(d.max())
 
 
-def diff(a: str, b: str, patterns: Sequence[str] = (), *, atol: float = 0.0, progress: Progress | None = None) -> Diff:
-    """Compare the values of two checkpoints key by key (only the keys matching ``patterns``, if any)."""
-    ra, rb = open_latest(a), open_latest(b)
+def diff(
+    a: str | Opened,
+    b: str | Opened,
+    patterns: Sequence[str] = (),
+    *,
+    atol: float = 0.0,
+    progress: Progress | None = None,
+) -> Diff:
+    """Compare the values of two checkpoints key by key (only the keys matching ``patterns``, if any);
+    each a path or a checkpoint opened already."""
+    ra, rb = (x if isinstance(x, Opened) else open_latest(x) for x in (a, b))
     match = key_matcher(patterns)
     la, lb = (
         {k: r.index.leaves[k] for k in r.index.keys_under("") if match is None or selected(k, match)} for r in (ra, rb)

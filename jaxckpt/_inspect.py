@@ -14,6 +14,7 @@ one character of an edge; a pattern selects the keys it matches and everything b
 
 from __future__ import annotations
 
+import concurrent.futures
 import html
 import json
 import os
@@ -38,12 +39,13 @@ from jaxckpt._describe import (
     selected,
     short_value,
 )
-from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
-from jaxckpt._open import open_latest
+from jaxckpt._errors import JaxckptError
+from jaxckpt._format import INDEX_FILE, ArrayLeaf, Index, Leaf, ValueLeaf
+from jaxckpt._index_json import decode_index
+from jaxckpt._open import Probe, is_manager_directory, open_found, probe
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._progress import human_bytes
 from jaxckpt._reader import Opened
-from jaxckpt._statefile import is_manager_directory
 from jaxckpt._templates import NO_TEMPLATE
 from jaxckpt._tree import PathLike, build
 
@@ -63,10 +65,15 @@ class CheckpointView:
     treescope, or to add shardings to and restore with as a template).
     """
 
-    def __init__(self, path: PathLike, patterns: Sequence[str] = ()) -> None:
-        self.path = os.fspath(path)
+    def __init__(
+        self, path: PathLike | _storage.Location, patterns: Sequence[str] = (), *, found: Probe | None = None
+    ) -> None:
+        """``found``: what :func:`jaxckpt._open.probe` found at ``path``, if it looked already."""
+        location = _storage.location(path)
+        self.path = location.text
         self.patterns = tuple(patterns)
-        self._opened: Opened = open_latest(path)  # a foreign manager's directory: its latest checkpoint
+        # A manager's directory, a foreign one's too: its latest checkpoint.
+        self._opened: Opened = open_found(found if found is not None else probe(location))
         if self._opened.format != "jaxckpt":
             self.path = str(self._opened.path)
         self.index: Index = self._opened.index
@@ -261,9 +268,27 @@ _STYLE = (
 # --- a manager's directory ---------------------------------------------------------------------
 
 
-def disk_bytes(path: PathLike) -> int | None:
-    """Bytes of every file under ``path`` (as ``du --apparent-size``); None if unknown (object stores)."""
-    return _local_tree.total_bytes(_storage.location(path))
+def disk_bytes(path: PathLike | _storage.Location) -> int | None:
+    """Bytes of every file under ``path`` (as ``du --apparent-size``); in an object store, the bytes
+    its index records (see :func:`_recorded_bytes`); None if there is no checkpoint there."""
+    location = _storage.location(path)
+    if location.local is None:
+        return _recorded_bytes(location)
+    return _local_tree.total_bytes(location)
+
+
+def _recorded_bytes(checkpoint: _storage.Location) -> int | None:
+    """A checkpoint in an object store: its index's bytes and those of the arrays it records, from one
+    (bounded) read of its index, since a listing there has no sizes and asking each object for its
+    size is a request per object; None if it has no index (or one that does not parse)."""
+    try:
+        raw = _storage.read_file(checkpoint, INDEX_FILE, _storage.INDEX_READ_LIMIT)
+        if raw is None:
+            return None
+        index = decode_index(raw, repr(str(checkpoint / INDEX_FILE)))
+    except JaxckptError:
+        return None
+    return len(raw) + sum(leaf.nbytes for leaf in index.leaves.values() if isinstance(leaf, ArrayLeaf))
 
 
 def _when(t: float) -> str:
@@ -281,21 +306,33 @@ class ManagerView:
     as an HTML table in Jupyter. ``view.latest`` is a :class:`CheckpointView` of the latest one.
     """
 
-    def __init__(self, directory: PathLike, *, other_tier: bool = True) -> None:
-        self.directory = os.fspath(directory)
-        self.checkpoints: list[CheckpointInfo] = _statefile.read_state(self.directory) or []
-        self.disk_bytes: dict[str, int | None] = {c.path: disk_bytes(c.path) for c in self.checkpoints}
-        self.metadata = _run_metadata.read(_storage.location(self.directory))  # None: none recorded
+    def __init__(
+        self, directory: PathLike | _storage.Location, *, other_tier: bool = True, state: bytes | None = None
+    ) -> None:
+        """``state``: the bytes of its state file, if read already (see :func:`jaxckpt._open.probe`)."""
+        location = _storage.location(directory)
+        self.directory = location.text
+        data = state if state is not None else _statefile.read_state_file(location)
+        found = _statefile.parse_full_state(location, data, tensorflow_is_none=True)
+        self.checkpoints: list[CheckpointInfo] = found[0] if found is not None else []
+        # Each checkpoint measured at once (in an object store, its index read): a request's latency each, overlapped.
+        names = [os.path.basename(c.path) for c in self.checkpoints]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(names)))) as pool:
+            sizes = list(pool.map(lambda name: disk_bytes(location / name), names))
+        self.disk_bytes: dict[str, int | None] = {c.path: size for c, size in zip(self.checkpoints, sizes)}
+        self.metadata = _run_metadata.read(location)  # None: none recorded
         # A two-tier manager's directory (jaxckpt._tiers): which tier this is, and the other one's view.
-        self.tiers = _statefile.read_tiers(self.directory)
+        self.tiers = _statefile.read_tiers(location)
         self.tier: str | None = None
         self.other: ManagerView | None = None
         if self.tiers is not None:
             local = os.path.abspath(self.directory) == self.tiers["local"]
             self.tier = "local" if local else "durable"
-            there = self.tiers["durable" if local else "local"]
-            if other_tier and _statefile.read_state(there) is not None:
-                self.other = ManagerView(there, other_tier=False)
+            there = _storage.location(self.tiers["durable" if local else "local"])
+            if other_tier:
+                there_state = _statefile.read_state_file(there)
+                if _statefile.parse_full_state(there, there_state, tensorflow_is_none=True) is not None:
+                    self.other = ManagerView(there, other_tier=False, state=there_state)
 
     @property
     def latest(self) -> CheckpointView | None:
@@ -401,11 +438,18 @@ def inspect(path: PathLike, *patterns: str) -> CheckpointView | ManagerView:
         view.keys()                     # ["step", "net/l1/bias", ...]
         view["net/l1/bias"]             # the value, as numpy
     """
-    if is_manager_directory(path):
+    found = probe(_storage.location(path))
+    if is_manager_directory(found):
         if patterns:
             raise ValueError(
-                f"{os.fspath(path)!r} is a manager's directory; patterns select keys of one checkpoint. "
-                f"Pass one of its checkpoints, e.g. {_statefile.latest_checkpoint(path)!r}."
+                f"{found.location.text!r} is a manager's directory; patterns select keys of one checkpoint. "
+                f"Pass one of its checkpoints, e.g. {_latest_listed(found)!r}."
             )
-        return ManagerView(path)
-    return CheckpointView(path, patterns)
+        return ManagerView(found.location, state=found.state)
+    return CheckpointView(found.location, patterns, found=found)
+
+
+def _latest_listed(found: Probe) -> str | None:
+    """The latest checkpoint the state file that :func:`jaxckpt._open.probe` read lists, or None."""
+    state = _statefile.parse_full_state(found.location, found.state, tensorflow_is_none=True)
+    return state[0][-1].path if state is not None and state[0] else None

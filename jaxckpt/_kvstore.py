@@ -108,8 +108,8 @@ def kv_write(base: dict[str, Any], key: str, value: bytes) -> None:
 
 
 def kv_delete(base: dict[str, Any], key: str) -> None:
-    """Delete the value at ``key`` (if any)."""
-    _kv_call(repr(key), lambda: _kv(base).delete_range(ts.KvStore.KeyRange(key, key + "\0")).result())
+    """Delete the value at ``key`` (if any): one request (a range delete lists the range first)."""
+    _kv_call(repr(key), lambda: _kv(base).write(key, None).result())
 
 
 def kv_keys(base: dict[str, Any]) -> list[str]:

@@ -6,25 +6,54 @@ manager's directory (its latest), or another library's checkpoint or manager dir
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxckpt import _formats, _statefile, _storage
 from jaxckpt._errors import CheckpointNotFoundError, NotACheckpointError
 from jaxckpt._foreign_opened import ForeignOpened
+from jaxckpt._format import INDEX_FILE
 from jaxckpt._reader import Opened
 from jaxckpt._tree import PathLike
 
 
-def open_checkpoint(path: PathLike) -> Opened:
+class Probe(NamedTuple):
+    """What one look at a location found: a jaxckpt checkpoint (in a kvstore, with its index's bytes,
+    read once and handed on), or else the bytes of the state file there (None if there is none)."""
+
+    location: _storage.Location
+    checkpoint: bool
+    index_bytes: bytes | None  # a kvstore's index, read (bounded) by the look itself; None for local folders
+    state: bytes | None  # without an index: the state file's bytes, if there is one
+
+
+def probe(location: _storage.Location) -> Probe:
+    """Look once at ``location``: is it a checkpoint, and if not, what does its state file say.
+
+    In a kvstore every look is a request, so the index is read at once (not asked about, then read)
+    and the state file only where there is no index. A local folder is asked with ``stat`` (cheap),
+    and its index is read later by :class:`Opened`, from the folder held open (see ``PinnedFolder``).
+    """
+    if location.local is not None:
+        if _storage.is_checkpoint(location):
+            return Probe(location, True, None, None)
+        return Probe(location, False, None, _statefile.read_state_file(location))
+    index = _storage.read_file(location, INDEX_FILE, _storage.INDEX_READ_LIMIT)
+    if index is not None:
+        return Probe(location, True, index, None)
+    return Probe(location, False, None, _statefile.read_state_file(location))
+
+
+def open_checkpoint(path: PathLike | _storage.Location, index: bytes | None = None) -> Opened:
     """The checkpoint at ``path``, in whichever format is on disk: jaxckpt's own (a folder with an
-    index), or a TensorFlow, Orbax, Flax msgpack or safetensors checkpoint (local paths)."""
+    index), or a TensorFlow, Orbax, Flax msgpack or safetensors checkpoint (local paths). ``index``:
+    the bytes of its index in a kvstore, already read."""
     location = _storage.location(path)
     if location.local is not None and not _storage.is_checkpoint(location):
         module = _formats.detect(location.local)
         if module is not None:
             return ForeignOpened(_formats.ForeignCheckpoint(module.open(str(location.local))))
     try:
-        return Opened(path)
+        return Opened(location, index)
     except NotACheckpointError as e:
         if location.local is None:
             raise
@@ -34,32 +63,46 @@ def open_checkpoint(path: PathLike) -> Opened:
         ) from None
 
 
-def open_latest(path: PathLike) -> Opened:
+def open_latest(path: PathLike | _storage.Location) -> Opened:
     """The checkpoint at ``path``; a manager's directory (a state file, no index) means its latest
     checkpoint, as TensorFlow's ``load_variable`` takes a directory. So does a directory that
     TensorFlow's, Orbax's or Flax's manager keeps."""
-    location = _storage.location(path)
-    if not _storage.is_checkpoint(location):
-        infos = _statefile.read_state(os.fspath(path))  # None: not a jaxckpt manager's directory
-        if infos is not None:
+    return open_found(probe(_storage.location(path)))
+
+
+def is_manager_directory(found: Probe) -> bool:
+    """Whether what :func:`probe` found is a jaxckpt manager's directory: a state file of jaxckpt's
+    (not TensorFlow's, which has the same name) and no index."""
+    return not found.checkpoint and found.state is not None and not _statefile.is_tensorflow_state(found.state)
+
+
+def open_found(found: Probe) -> Opened:
+    """:func:`open_latest` of what :func:`probe` found (nothing there is read again)."""
+    location, text = found.location, found.location.text
+    if not found.checkpoint:
+        state = _statefile.parse_full_state(location, found.state, tensorflow_is_none=True)
+        if state is not None:
+            infos = state[0]
             if not infos:
                 raise CheckpointNotFoundError(
-                    f"{os.fspath(path)!r} is a CheckpointManager's directory that lists no checkpoint yet."
+                    f"{text!r} is a CheckpointManager's directory that lists no checkpoint yet."
                 )
-            return Opened(infos[-1].path)
+            return Opened(location / os.path.basename(infos[-1].path))
         foreign = _foreign_manager(location)
         if foreign is not None:
             module, latest = foreign
             if latest is None:
                 raise CheckpointNotFoundError(
-                    f"{os.fspath(path)!r} is a {module.NAME} manager's directory with no complete checkpoint in it."
+                    f"{text!r} is a {module.NAME} manager's directory with no complete checkpoint in it."
                 )
             return open_checkpoint(latest)
-        _statefile.read_full_state(os.fspath(path))  # a `checkpoint` file that no reader takes: say why
+        _statefile.parse_full_state(location, found.state)  # a `checkpoint` file that no reader takes: say why
     try:
-        return open_checkpoint(path)
+        if not found.checkpoint and location.local is None:  # its index was looked for already
+            raise _storage.no_index(location)
+        return open_checkpoint(location, found.index_bytes)
     except NotACheckpointError as e:
-        raise not_a_checkpoint(os.fspath(path), e) from None
+        raise not_a_checkpoint(location, e) from None
 
 
 def _foreign_manager(location: _storage.Location) -> tuple[Any, str | None] | None:
@@ -70,7 +113,7 @@ def _foreign_manager(location: _storage.Location) -> tuple[Any, str | None] | No
     return None if module is None else (module, module.latest(str(location.local)))
 
 
-def latest_checkpoint(directory: PathLike) -> str | None:
+def latest_checkpoint(directory: PathLike | _storage.Location) -> str | None:
     """The latest checkpoint in ``directory``, or None if it holds none.
 
     For a :class:`~jaxckpt.CheckpointManager`'s directory it reads only the state file (no lock
@@ -88,19 +131,22 @@ def latest_checkpoint(directory: PathLike) -> str | None:
     ``checkpoint`` file: ``".../tf_ckpts/ckpt-5"``), Orbax's (the newest finished step folder) and
     ``flax.training.checkpoints``' (the newest ``checkpoint_<step>`` file).
     """
-    infos = _statefile.read_state(os.fspath(directory))
-    if infos is not None:
+    location = _storage.location(directory)
+    data = _statefile.read_state_file(location)  # read once, asked twice
+    state = _statefile.parse_full_state(location, data, tensorflow_is_none=True)
+    if state is not None:
+        infos = state[0]
         return infos[-1].path if infos else None
-    foreign = _foreign_manager(_storage.location(directory))
+    foreign = _foreign_manager(location)
     if foreign is None:
-        _statefile.read_full_state(os.fspath(directory))  # a `checkpoint` file that no reader takes: say why
+        _statefile.parse_full_state(location, data)  # a `checkpoint` file that no reader takes: say why
         return None
     return foreign[1]
 
 
-def not_a_checkpoint(path: str, error: NotACheckpointError) -> NotACheckpointError:
+def not_a_checkpoint(folder: _storage.Location, error: NotACheckpointError) -> NotACheckpointError:
     """The error, with the checkpoints the folder holds, if any: the usual slip is one level too high."""
-    folder = _storage.location(path)
+    path = folder.text
     try:
         found = [name for name in _storage.children(folder) if _storage.is_checkpoint(folder / name)]
     except OSError:

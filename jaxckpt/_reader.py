@@ -97,11 +97,16 @@ class Opened:
     # arrays of the next). Closed with the last reference to it (see PinnedFolder).
     _pinned: _zarr_local.PinnedFolder | None = None
 
-    def __init__(self, path: PathLike) -> None:
+    def __init__(self, path: PathLike | _storage.Location, index: bytes | None = None) -> None:
+        """``index``: the bytes of the index of a checkpoint in a kvstore, read already (see
+        :func:`jaxckpt._open.probe`), so that opening reads it once; a local index is read here."""
         self.location = _storage.location(path)
         self.path = self.location.local or self.location.text
         where = repr(str(self.location / INDEX_FILE))
-        self._pinned, raw = self._pin_and_read_index()
+        if index is not None and self.location.local is None:
+            self._pinned, raw = None, index
+        else:
+            self._pinned, raw = self._pin_and_read_index()
         self.index: Index = decode_index(raw, where)
         self._readers: dict[str, _tensorstore.Reader] = {}
         self._checksums: dict[str, StoreChecksums] = {}

@@ -199,13 +199,13 @@ def prepare(
 
 def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own_copy: bool) -> Prepared:
     dest = _storage.location(path)
-    _staging.check_writable(dest, overwrite)
+    keys = _staging.check_writable(dest, overwrite)  # in an object store: what is there, listed once
     flat = flatten(root)
     me = _multihost.process_index()
     if own_copy and dest.local is None:
         raise ValueError(f"A process's own copy goes to its local disk, not to {dest.text!r}.")
     if me == 0:
-        _staging.clear_for_save(dest)  # object stores: before the token lets the others write
+        _staging.clear_for_save(dest, keys)  # object stores: before the token lets the others write
     token = _multihost.shared_token()
     staging = _staging.staging_folder(dest, token, own=own_copy)
     try:

@@ -38,7 +38,6 @@ from jaxckpt._storage import (
     NAME_MAX,
     TMP_MARK,
     Location,
-    children,
     delete_tree,
     is_checkpoint,
 )
@@ -60,11 +59,10 @@ _LEFTOVER_KEY = re.compile(
 )
 
 
-def _only_leftovers(path: Location) -> bool:
-    """Object stores: whether ``path`` holds exactly what an interrupted save leaves: its marker, and
-    data stores with the keys of its arrays. Without the marker, data is not provably jaxckpt's (a user's
-    ``data/`` folder), so it is never taken for leftovers."""
-    keys = _kvstore.kv_keys(path.spec())
+def _only_leftovers(keys: list[str]) -> bool:
+    """Object stores: whether the ``keys`` under a prefix are exactly what an interrupted save leaves:
+    its marker, and data stores with the keys of its arrays. Without the marker, data is not provably
+    jaxckpt's (a user's ``data/`` folder), so it is never taken for leftovers."""
     return SAVE_MARKER in keys and all(_LEFTOVER_KEY.fullmatch(k) for k in keys)
 
 
@@ -76,25 +74,29 @@ def _first_file_above(local: Path) -> Path | None:
     return None
 
 
-def check_writable(path: Location, overwrite: bool) -> None:
-    """Refuse early to replace what a save must not replace."""
+def check_writable(path: Location, overwrite: bool) -> list[str] | None:
+    """Refuse early to replace what a save must not replace. In an object store, returns the keys
+    under ``path``, from the one listing that answers every question here (for :func:`clear_for_save`)."""
+    keys = None
     if path.local is not None:
         blocker = _first_file_above(path.local)
         if blocker is not None:
             raise CheckpointExistsError(
                 f"Cannot save at {path.text!r}: {str(blocker)!r} is a file, not a folder. Choose another path."
             )
-    if is_checkpoint(path):
+    else:
+        keys = _kvstore.kv_keys(path.spec())
+    if (INDEX_FILE in keys) if keys is not None else is_checkpoint(path):
         if overwrite:
-            return
+            return keys
         raise CheckpointExistsError(
             f"A checkpoint already exists at {path.text!r}; pass overwrite=True to replace it, or save elsewhere."
         )
     if path.local is not None:
         if not path.local.exists() or (path.local.is_dir() and not any(path.local.iterdir())):
-            return
-    elif not children(path) or _only_leftovers(path):
-        return
+            return None
+    elif not keys or _only_leftovers(keys):
+        return keys
     raise CheckpointExistsError(
         f"{path.text!r} exists and is not a jaxckpt checkpoint; jaxckpt will not replace it. Choose another path."
         + (
@@ -106,15 +108,20 @@ def check_writable(path: Location, overwrite: bool) -> None:
     )
 
 
-def clear_for_save(path: Location) -> None:
+def clear_for_save(path: Location, keys: list[str] | None = None) -> None:
     """Object stores, primary process only: remove what a save there will replace (an old checkpoint
     when overwriting, or an interrupted save's leftovers), then write the marker that makes this
-    save's data recognisable as jaxckpt's, before anything else is written."""
+    save's data recognisable as jaxckpt's, before anything else is written.
+
+    ``keys``: what :func:`check_writable` found under ``path`` just before, so that a save lists its
+    prefix once (each listing is a request); without them, it is listed and checked here."""
     if path.local is not None:
         return
-    if children(path):
-        if not (is_checkpoint(path) or _only_leftovers(path)):  # it changed since check_writable
+    if keys is None:
+        keys = _kvstore.kv_keys(path.spec())
+        if keys and not (INDEX_FILE in keys or _only_leftovers(keys)):  # it changed since check_writable
             check_writable(path, overwrite=False)
+    if keys:
         delete_tree(path)
     _kvstore.kv_write(path.spec(), SAVE_MARKER, b"an unfinished jaxckpt save; it has no index.json yet\n")
 

@@ -54,7 +54,11 @@ def check_names(directory: str, infos: list[CheckpointInfo], options: ManagerOpt
 
 
 def _unlisted_checkpoints(
-    folder: _storage.Location, directory: str, infos: list[CheckpointInfo], options: ManagerOptions
+    folder: _storage.Location,
+    directory: str,
+    infos: list[CheckpointInfo],
+    options: ManagerOptions,
+    names: list[str] | None = None,
 ) -> list[CheckpointInfo]:
     """Complete ``<name>-N`` checkpoints that ``infos`` does not list and no interrupted save left.
 
@@ -65,7 +69,7 @@ def _unlisted_checkpoints(
     """
     listed = {os.path.basename(c.path) for c in infos}
     found = []
-    for name in _storage.children(folder):
+    for name in _storage.children(folder) if names is None else names:
         number = options.number(name)
         if number is None or name in listed:
             continue
@@ -90,13 +94,14 @@ def adopt_unlisted(
     infos: list[CheckpointInfo] | None,
     options: ManagerOptions,
     last_preserved: float,
+    names: list[str] | None = None,
 ) -> list[CheckpointInfo]:
     """Add the unlisted complete checkpoints to the state file: older-numbered ones first, newer ones last.
 
     Without a state file (``infos`` None), one is written even if there is nothing to adopt, so that
     a crash during the first save leaves clear garbage.
     """
-    adopted = _unlisted_checkpoints(folder, directory, infos or [], options)
+    adopted = _unlisted_checkpoints(folder, directory, infos or [], options, names)
     if infos is None:
         merged = adopted
     elif not adopted:
@@ -119,7 +124,7 @@ class TakenOver(NamedTuple):
 def take_over(folder: _storage.Location, directory: str, options: ManagerOptions, primary: bool) -> TakenOver:
     """Read the state file of ``folder``; unless read-only, refuse another name's directory, and on the
     primary adopt unlisted checkpoints and remove what crashes left."""
-    state = _statefile.read_full_state(directory)
+    state = _statefile.read_full_state(folder)
     infos, recorded = state if state is not None else (None, None)
     # TF's rule counts hours from the last preserved checkpoint, at first from when the first
     # manager of the directory started (a second back, as TF does), never from the future.
@@ -129,12 +134,17 @@ def take_over(folder: _storage.Location, directory: str, options: ManagerOptions
         return TakenOver(infos or [], last_preserved)
     check_names(directory, infos or [], options)
     if primary:
-        infos = adopt_unlisted(folder, directory, infos, options, last_preserved)
-        remove_leftovers(folder, infos, options)
+        # One listing for both (in an object store each is a request): what adoption writes, the
+        # state file, is none of the names that remove_leftovers removes.
+        names = _storage.children(folder)
+        infos = adopt_unlisted(folder, directory, infos, options, last_preserved, names)
+        remove_leftovers(folder, infos, options, names)
     return TakenOver(infos or [], last_preserved)
 
 
-def remove_leftovers(folder: _storage.Location, infos: list[CheckpointInfo], options: ManagerOptions) -> None:
+def remove_leftovers(
+    folder: _storage.Location, infos: list[CheckpointInfo], options: ManagerOptions, names: list[str] | None = None
+) -> None:
     """Remove what crashed saves and deletions left: never a listed checkpoint, never a user's file.
 
     Only names that jaxckpt makes, with its tokens: temp state files (regular files only), this
@@ -143,7 +153,7 @@ def remove_leftovers(folder: _storage.Location, infos: list[CheckpointInfo], opt
     listed = {os.path.basename(c.path) for c in infos}
     marks = f"{re.escape(_staging.PARTIAL_MARK)}|{re.escape(_staging.REPLACED_MARK)}"  # see _staging.staging_folder and publish
     staging = re.compile(rf"\.{re.escape(options.name)}-[0-9]+({marks})[0-9a-f]{{12}}")
-    for name in _storage.children(folder):
+    for name in _storage.children(folder) if names is None else names:
         if _statefile.TEMP_FILE.fullmatch(name):
             if folder.local is not None:
                 path = folder.local / name

@@ -90,28 +90,44 @@ def _parse_entry(raw: object, where: _storage.Location, directory: str) -> Check
     return CheckpointInfo(os.path.join(directory, prefix), step, float(when), dict(metrics), bool(preserved))
 
 
-def read_state(directory: str) -> list[CheckpointInfo] | None:
+def read_state(directory: str | _storage.Location) -> list[CheckpointInfo] | None:
     """The checkpoints the state file in ``directory`` lists, oldest first; None if it has none, or
     if its ``checkpoint`` file is TensorFlow's (for readers: not a jaxckpt manager's directory)."""
     state = read_full_state(directory, tensorflow_is_none=True)
     return None if state is None else state[0]
 
 
+def read_state_file(folder: _storage.Location) -> bytes | None:
+    """The bytes of the state file in ``folder`` (one bounded read), or None if there is none; for
+    :func:`parse_full_state`, so that one read serves every question asked of it."""
+    try:
+        return _storage.read_file(folder, STATE_FILE)
+    except OSError as e:
+        raise _bad_state(folder / STATE_FILE, f"it cannot be read as UTF-8 text ({e})") from e
+
+
 def read_full_state(
-    directory: str, *, tensorflow_is_none: bool = False
+    directory: str | _storage.Location, *, tensorflow_is_none: bool = False
 ) -> tuple[list[CheckpointInfo], float | None] | None:
     """The listed checkpoints and the recorded ``last_preserved_time``; None without a state file.
 
     TensorFlow's state file has the same name: it is refused (a manager never writes over it), or
     with ``tensorflow_is_none`` taken for no state file (what a reader of the folder wants)."""
     folder = _storage.location(directory)
+    return parse_full_state(folder, read_state_file(folder), tensorflow_is_none=tensorflow_is_none)
+
+
+def parse_full_state(
+    folder: _storage.Location, data: bytes | None, *, tensorflow_is_none: bool = False
+) -> tuple[list[CheckpointInfo], float | None] | None:
+    """:func:`read_full_state` of the state file's bytes ``data`` (None: there is none), read from ``folder``."""
+    directory = folder.text  # as the caller wrote it: the listed checkpoints are named under it
     where = folder / STATE_FILE
     try:
-        data = _storage.read_file(folder, STATE_FILE)
         if data is None or (tensorflow_is_none and is_tensorflow_state(data)):
             return None
         text = data.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
         raise _bad_state(where, f"it cannot be read as UTF-8 text ({e})") from e
     try:
         doc = json.loads(text)
@@ -222,7 +238,7 @@ def record(directory: str, path: str, step: int, when: float) -> None:
     write_state(folder, infos, last_preserved)
 
 
-def is_manager_directory(path: PathLike) -> bool:
+def is_manager_directory(path: PathLike | _storage.Location) -> bool:
     """A folder with a manager's state file and no index of its own."""
     folder = _storage.location(path)
     data = _storage.read_file(folder, STATE_FILE)
@@ -235,10 +251,10 @@ def is_tensorflow_state(data: bytes) -> bool:
     return data.lstrip().startswith(b"model_checkpoint_path")
 
 
-def latest_checkpoint(directory: PathLike) -> str | None:
+def latest_checkpoint(directory: PathLike | _storage.Location) -> str | None:
     """The latest checkpoint a manager recorded in ``directory`` (its state file alone), or None;
     :func:`jaxckpt.latest_checkpoint` (``_open``) reads other libraries' directories too."""
-    infos = read_state(os.fspath(directory))
+    infos = read_state(directory if isinstance(directory, _storage.Location) else os.fspath(directory))
     return infos[-1].path if infos else None
 
 
@@ -257,7 +273,7 @@ def write_tiers(local: str, durable: str) -> None:
             _storage.write_file_atomic(folder, TIERS_FILE, body)
 
 
-def read_tiers(directory: PathLike) -> dict[str, str] | None:
+def read_tiers(directory: PathLike | _storage.Location) -> dict[str, str] | None:
     """``{"local": ..., "durable": ...}`` from a tier's ``checkpoint.tiers``; None without one (or
     with one that does not parse: it only guides listings)."""
     try:

@@ -285,7 +285,9 @@ def is_symlink(folder: Location) -> bool:
 
 def is_checkpoint(path: Location) -> bool:
     if path.local is None:
-        return read_file(path, INDEX_FILE, INDEX_READ_LIMIT) is not None
+        # One request, of one byte: whether there is an index, not what it holds (whoever reads it
+        # next reads it bounded, and says if it is too large).
+        return _kvstore.kv_exceeds(path.spec(), INDEX_FILE, INDEX_READ_LIMIT) is not None
     return (path.local / INDEX_FILE).is_file()
 
 
@@ -327,9 +329,15 @@ def read_index_bytes(path: Location, pinned: _local_files.PinnedFolder | None = 
     data = read_file(path, INDEX_FILE, INDEX_READ_LIMIT, pinned)
     if data is not None:
         return data
+    raise no_index(path)
+
+
+def no_index(path: Location) -> CheckpointNotFoundError | NotACheckpointError:
+    """The error for ``path``, which has no index: nothing there (a prefix in a kvstore that holds
+    nothing), or something that is not a checkpoint."""
     if path.local is None and not children(path):
-        raise CheckpointNotFoundError(f"No checkpoint at {path.text!r}: nothing is stored under that prefix.")
-    raise NotACheckpointError(
+        return CheckpointNotFoundError(f"No checkpoint at {path.text!r}: nothing is stored under that prefix.")
+    return NotACheckpointError(
         f"{path.text!r} is not a jaxckpt checkpoint: it has no {INDEX_FILE}. "
         "If it is a manager's directory, pass one of its checkpoints (see jaxckpt.latest_checkpoint)."
     )

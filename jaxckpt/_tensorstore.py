@@ -212,16 +212,7 @@ class Writer:
             self._local.flush()
             return
         planned, self._planned = self._planned, []
-        # Chunks of zeros are stored too: a reader then treats any missing chunk as damage.
-        opens = [
-            ts.open(
-                {"driver": "zarr3", "kvstore": _sub(self._base, path), "metadata": metadata,
-                 "store_data_equal_to_fill_value": True},
-                create=True,
-                context=self._context,
-            )
-            for path, metadata, _ in planned
-        ]  # fmt: skip
+        opens = [_create(self._base, path, metadata, self._context) for path, metadata, _ in planned]
         in_flight = InFlight(WRITE_AHEAD_BYTES)
         try:
             for (_, _, parts), future in zip(planned, opens):
@@ -241,6 +232,35 @@ class Writer:
             if isinstance(e, Exception) and status_code(e) is not None:
                 raise _write_failure(e) from e
             raise
+
+
+class _Created(NamedTuple):
+    """An array being created: its ``zarr.json`` being written, and the array opened for writing."""
+
+    metadata: Any  # the write of zarr.json
+    store: Any  # the array
+
+    def result(self) -> ts.TensorStore:
+        self.metadata.result()
+        return self.store.result()
+
+
+def _create(base: dict[str, Any], path: str, metadata: dict[str, Any], context: ts.Context) -> _Created:
+    """Create the zarr3 array at ``path`` under kvstore ``base``: one write of its ``zarr.json``, as
+    jaxckpt's own writer writes it. TensorStore's ``create=True`` reads the zarr.json first and makes
+    a conditional write (a GET, a HEAD and a PUT on a bucket); a save writes into a prefix it has
+    cleared, where nothing is to be checked, and publishes nothing until its index is written."""
+    document = json.dumps({"zarr_format": 3, "node_type": "array", **metadata}).encode()
+    folder = ts.KvStore.open(_sub(base, path), context=context).result()  # no request
+    written = folder.write("zarr.json", document)
+    # Chunks of zeros are stored too: a reader then treats any missing chunk as damage.
+    spec = {
+        "driver": "zarr3",
+        "kvstore": _sub(base, path),
+        "metadata": metadata,
+        "store_data_equal_to_fill_value": True,
+    }
+    return _Created(written, ts.open(spec, open=True, assume_metadata=True, context=context))
 
 
 def _write_failure(error: Exception) -> JaxckptError:
@@ -332,7 +352,8 @@ class Reader:
             spec = {"driver": "zarr3", "kvstore": _sub(self._base, path), "metadata": metadata}
         else:
             spec = {**_spec(self._base, path), "metadata": metadata, "fill_missing_data_reads": not self._strict}
-        # assume_metadata: the zarr.json, already checked, names a data type TensorStore lacks.
+        # assume_metadata: the zarr.json is not read (see open_arrays and read_pack_spans), or, already
+        # checked, names a data type TensorStore lacks.
         return ts.open(spec, open=True, context=self._context, assume_metadata=assume)
 
     def _array_metadata(self, shape: Sequence[int], dtype: str, chunks: Sequence[int] | None) -> Any:
@@ -352,6 +373,16 @@ class Reader:
                 key: local.open_array(key, at.path, at.stored, leaf.shape, at.chunks or (), crcs.get(at.path))
                 for key, leaf, at in requests
             }
+        # With the data store's checksums (format version 5), an array is opened with the metadata its
+        # index record implies, assumed: its zarr.json is not read (one request less per array on a
+        # bucket). That cannot yield other data than the save wrote: the index (checksummed) alone
+        # then decides how the stored bytes are read (shape, data type, shard and chunk layout,
+        # codecs), and the bytes are the save's or an error, as each inner chunk is checked by its own
+        # CRC-32C and against checksums.json, which names the save of the index. A zarr.json that
+        # differs (damaged, or rewritten by another tool) is not used, so it cannot change a value;
+        # bytes laid out otherwise than the index says fail those checks. Format 4 has no store
+        # checksums: there a zarr.json is still read and checked against the index before use.
+        assume = self._sharded and self._checksums is not None
         futures, raw = [], []
         for key, leaf, at in requests:
             # A registered name that TensorStore lacks (format 4, written by jaxckpt's own writer and
@@ -359,11 +390,12 @@ class Reader:
             dtype, chunks = at.stored, at.chunks
             raw.append(dtype not in _TENSORSTORE_NAMES and self._sharded and chunks is not None)
             if not raw[-1]:
-                futures.append(self._open(at.path, self._array_metadata(leaf.shape, dtype, chunks)))
+                futures.append(self._open(at.path, self._array_metadata(leaf.shape, dtype, chunks), assume=assume))
                 continue
             assert chunks is not None
             itemsize = _zarr_meta.numpy_dtype(dtype).itemsize
-            self._check_metadata(key, at.path, _zarr_meta.metadata(leaf.shape, dtype, chunks, itemsize))
+            if not assume:
+                self._check_metadata(key, at.path, _zarr_meta.metadata(leaf.shape, dtype, chunks, itemsize))
             futures.append(self._open(at.path, _sharded_metadata(leaf.shape, _raw(dtype), chunks), assume=True))
         stores = {}
         for (key, leaf, at), future, by_bits in zip(requests, futures, raw):
@@ -425,7 +457,10 @@ class Reader:
         else:
             metadata = _metadata([nbytes], "uint8", None if chunk is None else [chunk], False)
         try:
-            store = self._open(path, metadata).result()
+            # Format 4 on: opened as the index says, its zarr.json not read (one request less on a
+            # bucket): every leaf read from a pack is checked against its CRC in the index, so a pack
+            # laid out otherwise than the index says is an error, never another leaf's bytes.
+            store = self._open(path, metadata, assume=self._sharded).result()
         except Exception as e:
             raise failure(_name("", path), e) from e
         _check_open("", path, store, [nbytes], "uint8", padded=self._sharded)

@@ -10,6 +10,7 @@ from jaxckpt._foreign_opened import ForeignOpened
 from jaxckpt._format import ArrayLeaf
 from jaxckpt._open import open_latest
 from jaxckpt._progress import Progress
+from jaxckpt._reader import Opened
 from jaxckpt._scan import array_leaf, batches, one_large, pieces, read_arrays
 
 
@@ -28,7 +29,7 @@ class Verified:
         return not self.damaged and not self.unreadable
 
 
-def verify(path: str, progress: Progress | None = None) -> Verified:
+def verify(path: str, progress: Progress | None = None, *, opened: Opened | None = None) -> Verified:
     """Read every value of the checkpoint at ``path``, checking every checksum; damage is collected, not raised.
 
     The index's own checksum is checked when it is opened; packed leaves carry a CRC-32C each (a
@@ -38,7 +39,7 @@ def verify(path: str, progress: Progress | None = None) -> Verified:
     """
     result = Verified(path)
     try:
-        opened = open_latest(path)
+        opened = opened if opened is not None else open_latest(path)  # ``opened``: already, at ``path``
     except UnsupportedVersionError:
         raise  # not damage: a newer jaxckpt wrote it
     except CheckpointFormatError as e:  # a damaged index: nothing in it can be trusted

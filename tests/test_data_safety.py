@@ -279,8 +279,8 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
 
         real_open_store = _tensorstore.Reader._open
 
-        def refuse(self, path, metadata):  # the array of 'big' only; the pack reads
-            return Refused(path) if path == "a/0" else real_open_store(self, path, metadata)
+        def refuse(self, path, metadata, **options):  # the array of 'big' only; the pack reads
+            return Refused(path) if path == "a/0" else real_open_store(self, path, metadata, **options)
 
         monkeypatch.setattr(_tensorstore.Reader, "_open", refuse)
     else:  # format version 4 on a local disk: jaxckpt opens the files itself (as root, chmod refuses nothing)
