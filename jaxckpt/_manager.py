@@ -185,7 +185,11 @@ class CheckpointManager(PreemptionSaves):
         try:
             # A manager that writes also checks whose directory it is, adopts and cleans up (see _startup).
             self._infos, self._last_preserved = _startup.take_over(self._path, self._directory, options, self._primary)
-            self._metadata = _run_metadata.start(self._path, given, write=self._primary and not read_only)
+            # Read when asked for (one request fewer on a bucket), unless there is some to record now.
+            self._given_metadata = given
+            self._metadata: dict[str, Any] | None = None
+            if given is not None and self._primary and not read_only:
+                self._metadata = _run_metadata.start(self._path, given, write=True)
             # Last, so that a manager that fails to start leaves SIGTERM alone (close() puts it back).
             if save_on_preemption:
                 self._preemption = PreemptionHandler()
@@ -374,6 +378,8 @@ class CheckpointManager(PreemptionSaves):
         """The run's metadata: what the directory's first manager given ``metadata={...}`` recorded
         (Orbax's rule: written once; see :mod:`jaxckpt._run_metadata`), else what this manager was
         given (a read-only one never writes), else ``{}``. A copy: changing it changes nothing."""
+        if self._metadata is None:
+            self._metadata = _run_metadata.start(self._path, self._given_metadata, write=False)
         return copy.deepcopy(self._metadata)
 
     def all_steps(self) -> list[int]:
@@ -416,9 +422,10 @@ class CheckpointManager(PreemptionSaves):
         if self._options.read_only:
             state = _statefile.read_full_state(self._directory)
             self._infos = state[0] if state is not None else []
-        recorded = _run_metadata.read(self._path)
-        if recorded is not None:
-            self._metadata = recorded
+        if self._metadata is not None:
+            recorded = _run_metadata.read(self._path)
+            if recorded is not None:
+                self._metadata = recorded
 
     def _restored(self) -> None:
         """As TF's restore_or_initialize: the interval counts from the restored step."""

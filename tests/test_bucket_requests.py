@@ -184,11 +184,12 @@ def test_ls_of_a_run_reads_its_state_file_once_and_each_index_once(bucket, capsy
             ("GET", "run/index.json"): 1,  # is it a checkpoint? (no)
             ("GET", "run/checkpoint"): BOUNDED_READ,
             ("GET", "run/checkpoint.tiers"): 1,  # a two-tier manager's? (no)
+            ("GET", "run/checkpoint.metadata"): 1,  # the run's metadata? (none)
             ("GET", "run/ckpt-1/index.json"): BOUNDED_READ,  # its SIZE
             ("GET", "run/ckpt-2/index.json"): BOUNDED_READ,
         }
     )
-    assert _reads(bucket.requests()) == expected  # 8; 6 before, with SIZE "missing"
+    assert _reads(bucket.requests()) == expected  # 9; 6 before, with SIZE "missing"
     assert "missing" not in out
     rows = [line for line in out.splitlines() if line.lstrip("* ").startswith("ckpt-")]
     assert len(rows) == 2 and all(re.search(r"\d+(\.\d+)? (B|KiB)", row) for row in rows), out
