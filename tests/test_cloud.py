@@ -1,4 +1,6 @@
-"""Object stores through TensorStore kvstores: S3 (a moto server on 127.0.0.1), memory://, and gs:// parsing."""
+"""Object stores through TensorStore kvstores: the bucket suite, run on both S3 (a moto server on
+127.0.0.1) and Google Cloud Storage (an emulator on 127.0.0.1; see tests/gcs_server.py), memory://,
+and how gs:// paths reach their endpoint."""
 
 import json
 import os
@@ -14,10 +16,10 @@ import jaxckpt
 from jaxckpt import _cli, _staging, _storage
 
 
-def test_save_restore_and_inspect_on_s3(s3):
+def test_save_restore_and_inspect(bucket):
     tree = {"w": jnp.arange(300_000.0).reshape(600, 500), "b": np.ones(3, np.float32), "step": 4}
-    path = jaxckpt.save(f"{s3}/easy", tree)
-    assert path == f"{s3}/easy"
+    path = jaxckpt.save(f"{bucket}/easy", tree)
+    assert path == f"{bucket}/easy"
     restored = jaxckpt.restore(path, like=tree)
     np.testing.assert_array_equal(restored["w"], tree["w"])
     assert restored["step"] == 4
@@ -28,33 +30,33 @@ def test_save_restore_and_inspect_on_s3(s3):
     jaxckpt.save(path, {"other": 1}, overwrite=True)
     assert jaxckpt.restore(path) == {"other": 1}
     with pytest.raises(jaxckpt.CheckpointNotFoundError, match="nothing is stored"):
-        jaxckpt.restore(f"{s3}/missing")
+        jaxckpt.restore(f"{bucket}/missing")
 
 
-def test_manager_on_s3_saves_retains_and_continues(s3):
+def test_manager_saves_retains_and_continues(bucket):
     ckpt = jaxckpt.Checkpoint(step=0, w=jnp.zeros(4))
-    manager = jaxckpt.CheckpointManager(ckpt, f"{s3}/run", max_to_keep=2, step_counter="step")
+    manager = jaxckpt.CheckpointManager(ckpt, f"{bucket}/run", max_to_keep=2, step_counter="step")
     for step in range(1, 5):
         ckpt.step, ckpt.w = step, jnp.full(4, float(step))
         manager.save(metrics={"loss": 1.0 / step})
-    assert manager.checkpoints == [f"{s3}/run/ckpt-3", f"{s3}/run/ckpt-4"]
+    assert manager.checkpoints == [f"{bucket}/run/ckpt-3", f"{bucket}/run/ckpt-4"]
     manager.close()
-    assert jaxckpt.latest_checkpoint(f"{s3}/run") == f"{s3}/run/ckpt-4"
-    folder = _storage.location(f"{s3}/run")
+    assert jaxckpt.latest_checkpoint(f"{bucket}/run") == f"{bucket}/run/ckpt-4"
+    folder = _storage.location(f"{bucket}/run")
     assert _storage.children(folder) == ["checkpoint", "ckpt-3", "ckpt-4"]  # ckpt-1 and ckpt-2 deleted
     state = json.loads(_storage.read_file(folder, "checkpoint"))
     assert [c["prefix"] for c in state["checkpoints"]] == ["ckpt-3", "ckpt-4"]
 
     fresh = jaxckpt.Checkpoint(step=0, w=jnp.zeros(4))
-    restarted = jaxckpt.CheckpointManager(fresh, f"{s3}/run", max_to_keep=2, step_counter="step")
-    assert restarted.restore_or_initialize() == f"{s3}/run/ckpt-4"
+    restarted = jaxckpt.CheckpointManager(fresh, f"{bucket}/run", max_to_keep=2, step_counter="step")
+    assert restarted.restore_or_initialize() == f"{bucket}/run/ckpt-4"
     assert fresh.step == 4 and float(fresh.w[0]) == 4.0
     assert restarted.save().endswith("ckpt-5")
-    assert restarted.checkpoints == [f"{s3}/run/ckpt-4", f"{s3}/run/ckpt-5"]
+    assert restarted.checkpoints == [f"{bucket}/run/ckpt-4", f"{bucket}/run/ckpt-5"]
     restarted.close()
 
 
-def test_interrupted_save_on_s3_is_not_a_checkpoint_and_is_cleaned(s3, monkeypatch):
+def test_interrupted_save_is_not_a_checkpoint_and_is_cleaned(bucket, monkeypatch):
     from jaxckpt import _kvstore
 
     real_write = _kvstore.kv_write
@@ -66,14 +68,14 @@ def test_interrupted_save_on_s3_is_not_a_checkpoint_and_is_cleaned(s3, monkeypat
 
     monkeypatch.setattr(_kvstore, "kv_write", no_index)
     with pytest.raises(OSError, match="connection reset"):
-        jaxckpt.save(f"{s3}/c", {"x": np.arange(5)})
+        jaxckpt.save(f"{bucket}/c", {"x": np.arange(5)})
     monkeypatch.setattr(_kvstore, "kv_write", real_write)
-    assert _storage.children(_storage.location(f"{s3}/c")) == []  # the failed save removed its data
-    jaxckpt.save(f"{s3}/c", {"x": np.arange(5)})
-    assert jaxckpt.restore(f"{s3}/c")["x"].tolist() == [0, 1, 2, 3, 4]
+    assert _storage.children(_storage.location(f"{bucket}/c")) == []  # the failed save removed its data
+    jaxckpt.save(f"{bucket}/c", {"x": np.arange(5)})
+    assert jaxckpt.restore(f"{bucket}/c")["x"].tolist() == [0, 1, 2, 3, 4]
 
 
-def test_leftover_data_without_index_is_replaced_by_the_next_save(s3, monkeypatch):
+def test_leftover_data_without_index_is_replaced_by_the_next_save(bucket, monkeypatch):
     from jaxckpt import _kvstore
 
     real_write = _kvstore.kv_write
@@ -87,10 +89,10 @@ def test_leftover_data_without_index_is_replaced_by_the_next_save(s3, monkeypatc
     monkeypatch.setattr(_kvstore, "kv_write", crash_before_index)
     monkeypatch.setattr(_staging, "discard", lambda staging: None)
     with pytest.raises(KeyboardInterrupt):
-        jaxckpt.save(f"{s3}/c", {"x": np.arange(3)})
-    monkeypatch.setattr(_kvstore, "kv_write", real_write)  # not undo(): that would drop the S3 settings too
+        jaxckpt.save(f"{bucket}/c", {"x": np.arange(3)})
+    monkeypatch.setattr(_kvstore, "kv_write", real_write)  # not undo(): that would drop the bucket's settings too
     monkeypatch.setattr(_staging, "discard", real_discard)
-    path = f"{s3}/c"
+    path = f"{bucket}/c"
     assert _storage.children(_storage.location(path)) == [_staging.SAVE_MARKER, "data"]
     with pytest.raises(jaxckpt.NotACheckpointError, match=r"no index\.json"):
         jaxckpt.restore(path)
@@ -99,17 +101,17 @@ def test_leftover_data_without_index_is_replaced_by_the_next_save(s3, monkeypatc
     assert _storage.children(_storage.location(path)) == ["index.json"]  # the leftover data and marker are gone
 
 
-def test_data_without_index_or_marker_is_a_users_and_is_kept_on_s3(s3):
+def test_data_without_index_or_marker_is_a_users_and_is_kept(bucket):
     """A user's data/ folder under the prefix looks like a save's data store; without jaxckpt's
     marker it is not provably jaxckpt's, so a save there is refused and nothing is deleted."""
-    kv = ts.KvStore.open(_storage.location(f"{s3}/mine").spec()).result()
+    kv = ts.KvStore.open(_storage.location(f"{bucket}/mine").spec()).result()
     kv.write("data/train.csv", b"a,b\n1,2\n").result()
     kv.write("data.p1/manifest.ocdbt", b"not ocdbt").result()
     with pytest.raises(jaxckpt.CheckpointExistsError, match=r"mine.*not a jaxckpt checkpoint"):
-        jaxckpt.save(f"{s3}/mine", {"x": np.arange(3)})
+        jaxckpt.save(f"{bucket}/mine", {"x": np.arange(3)})
     assert sorted(kv.list().result()) == [b"data.p1/manifest.ocdbt", b"data/train.csv"]
     # A checkpoint whose index was deleted by hand has lost jaxckpt's claim on its data as well.
-    path = jaxckpt.save(f"{s3}/c", {"x": np.arange(3)})
+    path = jaxckpt.save(f"{bucket}/c", {"x": np.arange(3)})
     ts.KvStore.open(_storage.location(path).spec()).result().delete_range(
         ts.KvStore.KeyRange("index.json", "index.json\0")
     ).result()
@@ -117,12 +119,12 @@ def test_data_without_index_or_marker_is_a_users_and_is_kept_on_s3(s3):
         jaxckpt.save(path, {"y": 2}, overwrite=True)
 
 
-def test_cli_on_s3(s3, s3_server):
+def test_cli(bucket):
     ckpt = jaxckpt.Checkpoint(w=np.arange(10, dtype=np.float32))
-    with jaxckpt.CheckpointManager(ckpt, f"{s3}/run", max_to_keep=3) as manager:
+    with jaxckpt.CheckpointManager(ckpt, f"{bucket}/run", max_to_keep=3) as manager:
         manager.save()
-    env = {**os.environ, **s3_server, "JAX_PLATFORMS": "cpu"}
-    for args in (["ls", f"{s3}/run"], ["ls", f"{s3}/run/ckpt-1"], ["verify", f"{s3}/run/ckpt-1"]):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the bucket fixture set the server's environment
+    for args in (["ls", f"{bucket}/run"], ["ls", f"{bucket}/run/ckpt-1"], ["verify", f"{bucket}/run/ckpt-1"]):
         proc = subprocess.run(
             [sys.executable, "-m", "jaxckpt", *args], capture_output=True, text=True, env=env, timeout=120
         )
@@ -130,7 +132,11 @@ def test_cli_on_s3(s3, s3_server):
     assert (
         "ckpt-1"
         in subprocess.run(
-            [sys.executable, "-m", "jaxckpt", "ls", f"{s3}/run"], capture_output=True, text=True, env=env, timeout=120
+            [sys.executable, "-m", "jaxckpt", "ls", f"{bucket}/run"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
         ).stdout
     )
 
