@@ -119,26 +119,97 @@ def test_data_without_index_or_marker_is_a_users_and_is_kept(bucket):
         jaxckpt.save(path, {"y": 2}, overwrite=True)
 
 
-def test_cli(bucket):
+def test_cli(bucket, capsys):
+    """``python -m jaxckpt`` in a child process reaches the same server (the environment is passed on);
+    the other commands run in this process, which is faster."""
     ckpt = jaxckpt.Checkpoint(w=np.arange(10, dtype=np.float32))
     with jaxckpt.CheckpointManager(ckpt, f"{bucket}/run", max_to_keep=3) as manager:
         manager.save()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the bucket fixture set the server's environment
-    for args in (["ls", f"{bucket}/run"], ["ls", f"{bucket}/run/ckpt-1"], ["verify", f"{bucket}/run/ckpt-1"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "jaxckpt", *args], capture_output=True, text=True, env=env, timeout=120
-        )
-        assert proc.returncode == 0, proc.stderr
-    assert (
-        "ckpt-1"
-        in subprocess.run(
-            [sys.executable, "-m", "jaxckpt", "ls", f"{bucket}/run"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        ).stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxckpt", "ls", f"{bucket}/run"], capture_output=True, text=True, env=env, timeout=120
     )
+    assert proc.returncode == 0, proc.stderr
+    assert "ckpt-1" in proc.stdout
+    capsys.readouterr()
+    assert _cli.main(["ls", f"{bucket}/run/ckpt-1"]) == 0
+    assert "w" in capsys.readouterr().out
+    assert _cli.main(["show", f"{bucket}/run/ckpt-1", "w"]) == 0
+    assert "float32" in capsys.readouterr().out
+    assert _cli.main(["verify", f"{bucket}/run/ckpt-1"]) == 0
+
+
+def test_async_saves(bucket):
+    tree = {"w": jnp.arange(1000.0), "step": 1}
+    path = jaxckpt.save(f"{bucket}/one", tree, blocking=False)
+    jaxckpt.wait_until_finished()
+    np.testing.assert_array_equal(jaxckpt.restore(path)["w"], np.arange(1000.0))
+    ckpt = jaxckpt.Checkpoint(w=jnp.zeros(4), step=0)
+    for step in (1, 2, 3):  # each save waits for the one before it
+        ckpt.step, ckpt.w = step, jnp.full(4, float(step))
+        ckpt.save(f"{bucket}/run/ckpt", blocking=False)
+    ckpt.wait_until_finished()
+    assert jaxckpt.latest_checkpoint(f"{bucket}/run") == f"{bucket}/run/ckpt-3"
+    restored = jaxckpt.restore(f"{bucket}/run/ckpt-2")
+    assert restored["step"] == 2 and restored["w"].tolist() == [2.0] * 4
+
+
+def test_inspect(bucket):
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.arange(6, dtype=np.int32).reshape(2, 3))
+    with jaxckpt.CheckpointManager(ckpt, f"{bucket}/run", max_to_keep=2, step_counter="step") as manager:
+        for step in (1, 2, 3):
+            ckpt.step = step
+            manager.save()
+    view = jaxckpt.inspect(f"{bucket}/run/ckpt-3")
+    assert sorted(view.keys()) == ["save_counter", "step", "w"]
+    np.testing.assert_array_equal(view["w"], np.arange(6).reshape(2, 3))
+    assert "int32" in str(view)
+    runs = jaxckpt.inspect(f"{bucket}/run")
+    assert len(runs) == 2 and runs.latest is not None
+    assert "ckpt-2" in str(runs) and "ckpt-3" in str(runs) and "ckpt-1" not in str(runs)
+
+
+def test_deleting_a_checkpoint_leaves_the_keys_that_share_its_prefix(bucket):
+    """A checkpoint's objects are deleted by key range: ``ckpt-1/`` only, never ``ckpt-10/`` or
+    ``ckpt-1-other`` (the GCS emulator's listings ignored the range until tests/gcs_server.py fixed it)."""
+    for name in ("ckpt-1", "ckpt-10", "ckpt-1-other"):
+        jaxckpt.save(f"{bucket}/run/{name}", {"name": name, "x": np.arange(4)})
+    jaxckpt.save(f"{bucket}/run/ckpt-1", {"name": "again"}, overwrite=True)
+    assert jaxckpt.restore(f"{bucket}/run/ckpt-1") == {"name": "again"}
+    for name in ("ckpt-10", "ckpt-1-other"):
+        assert jaxckpt.restore(f"{bucket}/run/{name}")["name"] == name
+
+
+def _data_objects(path):
+    kv = ts.KvStore.open(_storage.location(path).spec()).result()
+    return kv, [k.decode() for k in kv.list().result() if "/c/" in k.decode()]
+
+
+@pytest.mark.parametrize(
+    "damage", ["garbage", "garbage before the shard index", "truncated", "deleted", "no zarr.json"]
+)
+def test_a_damaged_or_missing_object_is_an_error_naming_the_key(bucket, damage, capsys):
+    """Whatever happened to a data object in the bucket, a restore raises CheckpointCorruptedError
+    naming the leaf whose data it is, never returns other values; verify reports it DAMAGED."""
+    tree = {"w": np.arange(3000, dtype=np.float32).reshape(60, 50), "step": 4}
+    path = jaxckpt.save(f"{bucket}/c", tree)
+    kv, (data,) = _data_objects(path)
+    value = bytes(kv.read(data).result().value)
+    if damage == "garbage":
+        kv.write(data, bytes(len(value))).result()
+    elif damage == "garbage before the shard index":  # the shard index (at the end) still matches
+        kv.write(data, b"\xff" * 64 + value[64:]).result()
+    elif damage == "truncated":
+        kv.write(data, value[:100]).result()
+    elif damage == "deleted":
+        kv.delete_range(ts.KvStore.KeyRange(data, data + "\0")).result()
+    else:
+        meta = data.split("/c/")[0] + "/zarr.json"
+        kv.delete_range(ts.KvStore.KeyRange(meta, meta + "\0")).result()
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="'w'"):
+        jaxckpt.restore(path, like=tree)
+    assert _cli.main(["verify", path]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
 
 
 def test_memory_store_everywhere(capsys):
@@ -166,3 +237,57 @@ def test_gcs_paths_map_to_the_gcs_kvstore():
         _storage.location("s3:///nothing")
     with pytest.raises(NotImplementedError, match="ftp"):
         _storage.location("ftp://host/x")
+
+
+_ENDPOINT_RULE = """
+import os, jaxckpt
+from jaxckpt import StorageError, _storage
+host = os.environ["STORAGE_EMULATOR_HOST"].removeprefix("http://")  # the form without a scheme works too
+
+
+def refused(why):
+    try:
+        _storage.location("gs://jaxckpt-tests/endpoint/x")
+    except StorageError as e:
+        assert why in str(e), str(e)
+    else:
+        raise AssertionError("not refused: " + why)
+
+
+os.environ["TENSORSTORE_GCS_HTTP_URL"] = "http://127.0.0.1:1"  # the user's, and another endpoint
+refused("TENSORSTORE_GCS_HTTP_URL is 'http://127.0.0.1:1'")
+del os.environ["TENSORSTORE_GCS_HTTP_URL"]
+# Before the first request, the endpoint follows STORAGE_EMULATOR_HOST, set, changed or unset.
+os.environ["STORAGE_EMULATOR_HOST"] = "127.0.0.1:1"
+_storage.location("gs://jaxckpt-tests/endpoint/x")
+assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:1"
+del os.environ["STORAGE_EMULATOR_HOST"]
+_storage.location("gs://jaxckpt-tests/endpoint/x")
+assert "TENSORSTORE_GCS_HTTP_URL" not in os.environ and "GOOGLE_AUTH_TOKEN_FOR_TESTING" not in os.environ
+os.environ["STORAGE_EMULATOR_HOST"] = host
+path = jaxckpt.save("gs://jaxckpt-tests/endpoint/c", {"x": 1})
+assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://" + host
+assert jaxckpt.restore(path) == {"x": 1}
+# After it, another endpoint is refused, and so is Google Cloud Storage itself.
+os.environ["STORAGE_EMULATOR_HOST"] = "127.0.0.1:1"
+refused("already made requests to 'http://" + host + "'")
+del os.environ["STORAGE_EMULATOR_HOST"]
+refused("STORAGE_EMULATOR_HOST is unset, but this process already made requests")
+print("ok")
+"""
+
+
+def test_gs_follows_storage_emulator_host_and_one_process_keeps_one_endpoint(gcs_server):
+    """``STORAGE_EMULATOR_HOST`` points gs:// at an emulator; TensorStore keeps the endpoint of its
+    first GCS request, so a path that would need another is a StorageError. In a fresh process."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENDPOINT_RULE],
+        capture_output=True,
+        text=True,
+        env={**env, **gcs_server, "JAX_PLATFORMS": "cpu"},
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
