@@ -169,6 +169,30 @@ def test_inspect(bucket):
     assert "ckpt-2" in str(runs) and "ckpt-3" in str(runs) and "ckpt-1" not in str(runs)
 
 
+def test_the_servers_answer_as_the_bucket_services_do(bucket):
+    """What jaxckpt relies on from a bucket, through TensorStore, on both test servers (the GCS
+    emulator needed fixes for each, see tests/gcs_server.py): empty values, ranges (past the end:
+    OUT_OF_RANGE), conditional writes, listings by key range."""
+    kv = ts.KvStore.open(_storage.location(f"{bucket}/kv").spec()).result()
+    kv.write("empty", b"").result()
+    assert kv.read("empty").result().value == b""
+    kv.write("five", b"01234").result()
+    assert kv.read("five", byte_range=slice(1, 3)).result().value == b"12"
+    assert kv.read("five", byte_range=slice(-2, None)).result().value == b"34"
+    with pytest.raises(ValueError, match="OUT_OF_RANGE"):
+        kv.read("five", byte_range=slice(5, 6)).result()
+    absent = kv.read("nothing").result().stamp.generation
+    assert kv.write("five", b"x", if_equal=absent).result().generation == b""  # refused: it exists
+    current = kv.read("five").result().stamp.generation
+    assert kv.write("five", b"56789", if_equal=current).result().generation != b""
+    assert kv.write("five", b"x", if_equal=current).result().generation == b""  # refused: stale
+    assert kv.read("five").result().value == b"56789"
+    kv.write("fivefold", b"").result()
+    assert kv.list(ts.KvStore.KeyRange("five", "five\0")).result() == [b"five"]
+    kv.delete_range(ts.KvStore.KeyRange("five", "five\0")).result()
+    assert sorted(kv.list().result()) == [b"empty", b"fivefold"]
+
+
 def test_deleting_a_checkpoint_leaves_the_keys_that_share_its_prefix(bucket):
     """A checkpoint's objects are deleted by key range: ``ckpt-1/`` only, never ``ckpt-10/`` or
     ``ckpt-1-other`` (the GCS emulator's listings ignored the range until tests/gcs_server.py fixed it)."""
