@@ -33,6 +33,7 @@ import functools
 import http.server
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -47,7 +48,11 @@ def start(bucket: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
     """Start the emulator on 127.0.0.1 with ``bucket`` made; returns the process and the environment
     that points jaxckpt at it (``STORAGE_EMULATOR_HOST``, as Google's client libraries read it)."""
     proc = subprocess.Popen(
-        [sys.executable, __file__, bucket], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [sys.executable, __file__, bucket],
+        stdin=subprocess.PIPE,  # closed when this process ends, however it ends: the server then exits
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # the port, once it listens; "" if it died first
@@ -253,6 +258,8 @@ def _serve(bucket: str) -> None:
     storage.buckets[bucket]["softDeletePolicy"] = {"retentionDurationSeconds": "0"}  # delete is delete
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_handler_class(), storage))
     print(httpd.server_address[1], flush=True)
+    # No server left behind by a test run that was killed: its end closes our stdin.
+    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
     httpd.serve_forever()
 
 
