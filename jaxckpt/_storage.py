@@ -13,11 +13,13 @@ S3 follows the standard AWS environment: credentials, ``AWS_REGION`` / ``AWS_DEF
 
 Google Cloud Storage follows Google's client libraries: Application Default Credentials, and
 ``STORAGE_EMULATOR_HOST`` (``http://127.0.0.1:9023`` or ``127.0.0.1:9023``) for an emulator or
-another endpoint, reached without credentials. TensorStore takes its GCS endpoint from
-``TENSORSTORE_GCS_HTTP_URL`` and its credentials once per process, at its first GCS request; so with
-``STORAGE_EMULATOR_HOST`` set, the first ``gs://`` path sets ``TENSORSTORE_GCS_HTTP_URL`` to it (unless
-it is set already) and ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` to a placeholder token, which keeps a user's
-credentials away from the emulator. One process talks to one GCS endpoint: a ``gs://`` path whose
+another endpoint, reached without credentials. TensorStore (0.1.86) has no endpoint or credentials
+in its gcs spec: it reads ``TENSORSTORE_GCS_HTTP_URL`` when it opens a bucket and keeps that driver
+(in jaxckpt's one context), and looks up credentials once per process, at its first GCS request
+(``GOOGLE_AUTH_TOKEN_FOR_TESTING`` first). So with ``STORAGE_EMULATOR_HOST`` set, the first ``gs://``
+path sets ``TENSORSTORE_GCS_HTTP_URL`` to it (unless it is set already) and
+``GOOGLE_AUTH_TOKEN_FOR_TESTING`` to a placeholder token, which keeps a user's credentials away from
+the emulator and skips the credential search (which probes the GCE metadata server). One process talks to one GCS endpoint: a ``gs://`` path whose
 endpoint differs from the one the process already uses (``STORAGE_EMULATOR_HOST`` set, changed or
 unset after the first GCS request, or set to another URL than ``TENSORSTORE_GCS_HTTP_URL``) is a
 :class:`StorageError`, never a request to the wrong server.
