@@ -10,6 +10,19 @@ as are paths that are not valid UTF-8 and names longer than 255 bytes.
 
 S3 follows the standard AWS environment: credentials, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, and
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` for S3-compatible stores.
+
+Google Cloud Storage follows Google's client libraries: Application Default Credentials, and
+``STORAGE_EMULATOR_HOST`` (``http://127.0.0.1:9023`` or ``127.0.0.1:9023``) for an emulator or
+another endpoint, reached without credentials. TensorStore (0.1.86) has no endpoint or credentials
+in its gcs spec: it reads ``TENSORSTORE_GCS_HTTP_URL`` when it opens a bucket and keeps that driver
+(in jaxckpt's one context), and looks up credentials once per process, at its first GCS request
+(``GOOGLE_AUTH_TOKEN_FOR_TESTING`` first). So with ``STORAGE_EMULATOR_HOST`` set, the first ``gs://``
+path sets ``TENSORSTORE_GCS_HTTP_URL`` to it (unless it is set already) and
+``GOOGLE_AUTH_TOKEN_FOR_TESTING`` to a placeholder token, which keeps a user's credentials away from
+the emulator and skips the credential search (which probes the GCE metadata server). One process talks to one GCS endpoint: a ``gs://`` path whose
+endpoint differs from the one the process already uses (``STORAGE_EMULATOR_HOST`` set, changed or
+unset after the first GCS request, or set to another URL than ``TENSORSTORE_GCS_HTTP_URL``) is a
+:class:`StorageError`, never a request to the wrong server.
 """
 
 from __future__ import annotations
@@ -22,6 +35,8 @@ import stat
 import uuid
 from pathlib import Path
 from typing import Any
+
+import tensorstore as ts
 
 from jaxckpt import _kvstore, _local_files
 from jaxckpt._errors import (
@@ -139,12 +154,72 @@ def location(path: str | os.PathLike[str] | Location) -> Location:
         return Location(text, kv=spec)
     if scheme in ("gs", "gcs"):
         bucket, key = _bucket_and_path(rest, text)
+        _use_gcs_endpoint(text)
         return Location(text, kv={"driver": "gcs", "bucket": bucket, "path": key})
     if scheme == "memory":
         path = rest.strip("/")
         return Location(text, kv={"driver": "memory", "path": path + "/" if path else ""})
     raise NotImplementedError(
         f"Storage scheme {scheme!r} in {text!r} is not supported; use a local path, file://, s3://, gs:// or memory://."
+    )
+
+
+# --- which GCS endpoint TensorStore talks to ---------------------------------------------------
+
+GCS_DEFAULT_ENDPOINT = "https://storage.googleapis.com"
+EMULATOR_TOKEN = "jaxckpt-storage-emulator"  # sent as a bearer token; an emulator ignores it
+_gcs_emulator_set: str | None = None  # the endpoint this module put in TENSORSTORE_GCS_HTTP_URL
+
+
+def _gcs_used() -> bool:
+    """Whether TensorStore made a GCS request in this process (after which its endpoint and
+    credentials are fixed), from its request counters."""
+    try:
+        return any(
+            value.get("value", 0)
+            for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/gcs/")
+            for value in metric.get("values", [])
+        )
+    except AttributeError:  # a TensorStore without the counters: assume the worst
+        return True
+
+
+def _use_gcs_endpoint(text: str) -> None:
+    """Point TensorStore's gcs driver at ``STORAGE_EMULATOR_HOST`` if set (see the module's docstring),
+    or refuse a ``gs://`` path that would reach another endpoint than the process's."""
+    global _gcs_emulator_set
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+    wanted = (host if "://" in host else "http://" + host).rstrip("/") if host else None
+    current = os.environ.get("TENSORSTORE_GCS_HTTP_URL")
+    ours = current is not None and current == _gcs_emulator_set
+    if wanted is None and not ours:
+        return  # Google Cloud Storage, or the user's own TENSORSTORE_GCS_HTTP_URL
+    if wanted is not None and current is not None and current.rstrip("/") == wanted:
+        return
+    used = _gcs_used()
+    if ours and not used:  # set here for an earlier STORAGE_EMULATOR_HOST, no request since: undo
+        del os.environ["TENSORSTORE_GCS_HTTP_URL"]
+        if os.environ.get("GOOGLE_AUTH_TOKEN_FOR_TESTING") == EMULATOR_TOKEN:
+            del os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"]
+        current = _gcs_emulator_set = None
+    if wanted is None and current is None:
+        return
+    if wanted is not None and current is None and not used:
+        os.environ["TENSORSTORE_GCS_HTTP_URL"] = _gcs_emulator_set = wanted
+        os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", EMULATOR_TOKEN)
+        return
+    if current is not None and not ours:
+        why = f"TENSORSTORE_GCS_HTTP_URL is {current!r}"
+    else:
+        why = (
+            f"this process already made requests to {current or GCS_DEFAULT_ENDPOINT!r}, and TensorStore keeps "
+            "its first GCS endpoint and credentials"
+        )
+    raise StorageError(
+        f"Cannot use {text!r}: STORAGE_EMULATOR_HOST is {repr(host) if host else 'unset'}, but {why}. Set "
+        "STORAGE_EMULATOR_HOST (or TENSORSTORE_GCS_HTTP_URL) to one endpoint before the process's first gs:// "
+        "access, and use another process for another endpoint.",
+        errno.EINVAL,
     )
 
 

@@ -1,10 +1,12 @@
 """Every test runs on CPU with 8 host devices, so meshes and sharded arrays are real."""
 
 import os
+import re
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import gcs_server as gcs_emulator
 import jax
 import moto_server
 import pytest
@@ -37,7 +39,7 @@ def small_inner_chunks(monkeypatch):
     monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 1024)
 
 
-# --- an S3-compatible server on loopback, for the s3:// tests ------------------------------------
+# --- bucket servers on loopback: S3 (moto) for s3://, a GCS emulator for gs:// ---------------------
 
 BUCKET = "jaxckpt-tests"
 
@@ -57,3 +59,36 @@ def s3(s3_server, monkeypatch, request):
     for k, v in s3_server.items():
         monkeypatch.setenv(k, v)
     return f"s3://{BUCKET}/{request.node.name}"
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A GCS emulator on loopback, started once per test process, stopped at the end. Its
+    ``STORAGE_EMULATOR_HOST`` is set for the whole session, not per test: TensorStore keeps the first
+    GCS endpoint of a process (see jaxckpt._storage)."""
+    pytest.importorskip("gcp_storage_emulator")
+    proc, env = gcs_emulator.start(BUCKET)
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket(request, monkeypatch):
+    """A prefix of its own in a bucket, for each test: on the S3 server (``s3://``) and on the GCS
+    emulator (``gs://``), with the environment that points jaxckpt at it set in ``os.environ`` (a
+    subprocess given ``os.environ`` reaches the same server)."""
+    if request.param == "s3":
+        for k, v in request.getfixturevalue("s3_server").items():
+            monkeypatch.setenv(k, v)
+    else:
+        request.getfixturevalue("gcs_server")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")
+    return f"{request.param}://{BUCKET}/{name}"

@@ -1,6 +1,6 @@
-"""Two tiers (jaxckpt._tiers): frequent local checkpoints, durable copies in another folder or an S3
-bucket (moto on loopback), restore from the newest; training continues bit for bit after each kind
-of restart."""
+"""Two tiers (jaxckpt._tiers): frequent local checkpoints, durable copies in another folder or a
+bucket (s3:// on moto, gs:// on a GCS emulator, both on loopback), restore from the newest; training
+continues bit for bit after each kind of restart."""
 
 import os
 import shutil
@@ -104,18 +104,18 @@ def test_training_continues_bit_for_bit_after_a_restart(tmp_path, restart):
     assert int(ckpt.rng) == want_rng
 
 
-def test_the_durable_tier_in_an_s3_bucket(tmp_path, s3):
+def test_the_durable_tier_in_a_bucket(tmp_path, bucket):
     ckpt = _fresh()
-    with _manager(ckpt, f"{s3}/run", tmp_path / "local") as m:
+    with _manager(ckpt, f"{bucket}/run", tmp_path / "local") as m:
         _train(ckpt, m, 8)
         m.wait_until_finished()
         assert m.all_steps() == [4, 8]
-    assert jaxckpt.latest_checkpoint(f"{s3}/run") == f"{s3}/run/ckpt-8"
-    assert main(["verify", f"{s3}/run/ckpt-8"]) == 0
+    assert jaxckpt.latest_checkpoint(f"{bucket}/run") == f"{bucket}/run/ckpt-8"
+    assert main(["verify", f"{bucket}/run/ckpt-8"]) == 0
     shutil.rmtree(tmp_path / "local")  # a new machine: from the bucket
     again = _fresh()
-    with _manager(again, f"{s3}/run", tmp_path / "local") as m:
-        assert m.restore_or_initialize() == f"{s3}/run/ckpt-8"
+    with _manager(again, f"{bucket}/run", tmp_path / "local") as m:
+        assert m.restore_or_initialize() == f"{bucket}/run/ckpt-8"
     np.testing.assert_array_equal(np.asarray(again.w), np.asarray(ckpt.w))
 
 
