@@ -62,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _copy, _local_tree, _multihost, _retention, _statefile, _storage
+from jaxckpt import _copy, _local_tree, _multihost, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError, JaxckptError
@@ -171,6 +171,7 @@ class TieredManager(CheckpointManager):
             if os.path.basename(c.path) in durable and c.path not in local._also_keep:
                 free += _local_tree.total_bytes(_storage.location(c.path)) or 0
                 self._keep_local([k for k in local._infos if k is not c])
+                local._deleter.wait()  # the space must be free before the save, not in the background
 
     def should_save(self, step: int) -> bool:
         return self._local.should_save(step)
@@ -206,6 +207,9 @@ class TieredManager(CheckpointManager):
                 raise
             finally:
                 self._local._also_keep.discard(info.path)
+                # Local retention kept it while it was copied: what it lets go now goes now, not
+                # only at the next local save (there may be none).
+                self._local._reapply_retention()
 
     def _copy(self, info: CheckpointInfo) -> None:
         self._local._background.settle()  # the local write of this checkpoint is done (or failed)
@@ -235,11 +239,18 @@ class TieredManager(CheckpointManager):
                 )
 
     def wait_until_finished(self) -> None:
-        """Block until the local save and the durable copy are done; raise an error of either."""
+        """Block until the local save, the durable copy and the deletions in both tiers are done;
+        raise an error of one of them."""
         try:
             self._local.wait_until_finished()
         finally:
-            self._background.wait()
+            try:
+                self._background.wait()
+            finally:
+                self._local._deleter.wait()  # what the copy's end let go in the local tier
+                self._deleter.wait()
+        self._local._raise_failed_deletes()
+        self._raise_failed_deletes()
 
     # --- restoring ---------------------------------------------------------------------------------
 
@@ -354,13 +365,7 @@ class TieredManager(CheckpointManager):
 
     def _keep_local(self, kept: list[CheckpointInfo]) -> None:
         """Keep only ``kept`` of the local tier: listed first, then the others deleted (as retention)."""
-        local = self._local
-        old = list(local._infos)
-        if kept == old or local.read_only:
-            return
-        _statefile.write_state(local._path, kept, local._last_preserved)
-        _retention.delete_dropped(local._path, old, kept)
-        local._infos = kept
+        self._local._keep_only(kept)
 
     # --- preemption and lifetime -------------------------------------------------------------------
 
@@ -401,15 +406,21 @@ class TieredManager(CheckpointManager):
     def close(self) -> None:
         """Finish the local save and the durable copy, then release both directories."""
         try:
-            self._local.close()
+            self._background.settle()  # the copy first: its end may apply the local tier's retention
         finally:
-            super().close()
+            try:
+                self._local.close()
+            finally:
+                super().close()
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         try:
-            self._local._close(report=False)
+            self._background.settle()
         finally:
-            super().__exit__(exc_type, *exc)
+            try:
+                self._local._close(report=False)
+            finally:
+                super().__exit__(exc_type, *exc)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._directory!r}, local_directory={self._local.directory!r})"
