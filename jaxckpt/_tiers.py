@@ -144,6 +144,7 @@ class TieredManager(CheckpointManager):
         """Save to the local tier (see :meth:`CheckpointManager.save`); if the step is due for the
         durable tier (``durable_interval_steps``, or ``force``), copy it there in the background."""
         self._report_failed_copy()
+        self._warn_failed_deletes()  # the durable tier's, which no save of its own reports
         self._local._background.wait()  # as the local save would first: its retention is done
         self._make_room()
         path = self._local.save(checkpoint_number, check_interval, step=step, force=force, metrics=metrics)
@@ -207,9 +208,15 @@ class TieredManager(CheckpointManager):
                 raise
             finally:
                 self._local._also_keep.discard(info.path)
-                # Local retention kept it while it was copied: what it lets go now goes now, not
-                # only at the next local save (there may be none).
-                self._local._reapply_retention()
+            self._apply_local_retention()
+
+    def _apply_local_retention(self) -> None:
+        """Local retention kept a checkpoint while it was copied: what it lets go now goes now, not
+        only at the next local save (there may be none)."""
+        try:
+            self._local._reapply_retention()
+        except (OSError, JaxckptError) as e:  # the next local save applies retention again
+            warnings.warn(f"Could not apply the retention of {self._local.directory!r} after a copy: {e}", stacklevel=2)
 
     def _copy(self, info: CheckpointInfo) -> None:
         self._local._background.settle()  # the local write of this checkpoint is done (or failed)
