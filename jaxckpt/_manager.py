@@ -493,10 +493,10 @@ class CheckpointManager(PreemptionSaves):
         release the directory's lock.
 
         Reading ``checkpoints`` still works afterwards; saving does not. Raises the background
-        save's error, if any, after releasing the lock (else a failed deletion's: see :meth:`save`). If the wait is interrupted (Ctrl-C), the
-        lock stays held while the save still writes, and the manager stays open: call ``close()``
-        again, or exit (Python finishes the save at exit first; the kernel drops the lock when the
-        process ends).
+        save's error, if any, after releasing the lock (else a failed deletion's: see :meth:`save`).
+        If the wait is interrupted (Ctrl-C), the lock stays held while the save still writes, and the
+        manager stays open: call ``close()`` again, or exit (Python finishes the save at exit first;
+        the kernel drops the lock when the process ends).
         """
         self._close(report=True)
 
