@@ -174,3 +174,30 @@ def test_a_kill_while_deleting_leaves_only_the_kept_checkpoints(directory, hook,
         ckpt.step = 4
         manager.save()
     assert _names(directory) == ["checkpoint", "ckpt-3", "ckpt-4"]
+
+
+def test_a_number_saved_again_while_its_old_checkpoint_is_deleted_waits_for_the_deletion(directory, monkeypatch):
+    release = threading.Event()
+    real_erase, real_wait = _retention._erase, _retention.Deleter.wait
+
+    def held_erase(target):
+        assert release.wait(120), "the save never waited for the deletion"
+        real_erase(target)
+
+    def wait(self):
+        release.set()  # the save waits for the deletion of the name it reuses: let it finish
+        real_wait(self)
+
+    monkeypatch.setattr(_retention, "_erase", held_erase)
+    monkeypatch.setattr(_retention.Deleter, "wait", wait)
+    ckpt = _ckpt()
+    with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=1, step_counter="step", async_save=False) as manager:
+        for step in (1, 2):
+            ckpt.step = step
+            manager.save()  # ckpt-1 dropped: its deletion is held
+        assert not release.is_set()
+        ckpt.step = 7
+        assert manager.save(checkpoint_number=1) == f"{directory}/ckpt-1"
+        assert release.is_set()
+        assert jaxckpt.restore(f"{directory}/ckpt-1")["step"] == 7
+    assert _names(directory) == ["checkpoint", "ckpt-1"]
