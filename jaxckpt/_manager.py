@@ -25,7 +25,9 @@ from __future__ import annotations
 import copy
 import operator
 import os
+import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -167,8 +169,13 @@ class CheckpointManager(PreemptionSaves):
         self._last_info: CheckpointInfo | None = None  # the latest save's, for a durable copy of it
         self._also_keep: set[str] = set()  # local checkpoints that retention keeps while they are copied
         self._background = Background("CheckpointManager")
+        # Guards _infos and the state file between the save's thread and a durable copy's thread,
+        # which re-applies a local tier's retention when a copy ends (jaxckpt._tiers).
+        self._retention_lock = threading.RLock()
         self._preemption: PreemptionHandler | None = None
         self._path = _storage.location(directory)
+        # Dropped checkpoints are deleted in the background, after the state file lists the kept ones.
+        self._deleter = _retention.Deleter(self._path)
         # In a multi-process run, only the primary owns the directory: it holds the lock, writes the
         # state file and deletes; the others keep the same list of checkpoints in memory.
         self._primary = self._own_copy or _multihost.is_primary()
@@ -273,6 +280,11 @@ class CheckpointManager(PreemptionSaves):
         listed are refused. ``step=s``, as Orbax's managers take it, names it ``ckpt-<s>`` and records
         ``s`` as its step (no ``step_counter`` needed). ``metrics`` are recorded for :class:`KeepBest`
         and :attr:`checkpoint_infos`.
+
+        The checkpoints that retention drops are deleted in the background once the state file no
+        longer lists them, one manager's in order; :meth:`wait_until_finished` and :meth:`close` wait
+        for that. A deletion that fails leaves garbage that the next manager removes: the next save
+        warns, and :meth:`wait_until_finished` and :meth:`close` raise it.
         """
         if step is not None:
             step = operator.index(step)
@@ -328,6 +340,7 @@ class CheckpointManager(PreemptionSaves):
         ``save_interval_steps`` says not yet."""
         self._pending_path = None
         self._background.wait()  # the previous save is recorded (or its error raised) before numbering
+        self._warn_failed_deletes()
         step = self._options.read_step(self._checkpoint) if explicit_step is None else explicit_step
         if explicit_step is not None:
             checkpoint_number = explicit_step
@@ -346,6 +359,8 @@ class CheckpointManager(PreemptionSaves):
         path = os.path.join(self._directory, f"{self._options.name}-{number}")
         if any(c.path == path for c in self._infos):
             raise CheckpointExistsError(f"{path!r} is already a kept checkpoint; checkpoint numbers must be new.")
+        if self._deleter.deleting(os.path.basename(path)):  # a number reused (checkpoint_number=n) too soon
+            self._deleter.wait()
         self._checkpoint._settle(path)  # what earlier restores left unused, as Checkpoint.save says it
         # Like Checkpoint.save, the counter advances before the snapshot, so that the checkpoint holds it.
         self._checkpoint.save_counter = number if checkpoint_number is None else counter + 1
@@ -440,7 +455,8 @@ class CheckpointManager(PreemptionSaves):
         _staging.discard_staging(_storage.location(path), token)
 
     def _finish(self, prepared: _save.Prepared, info: CheckpointInfo) -> None:
-        """Write the checkpoint, then list it, then delete what retention lets go (in this order: see _retention)."""
+        """Write the checkpoint, then list it, then delete what retention lets go (in this order: see
+        _retention), the deletion in the background."""
         prepared.unlisted = self._primary  # until listed: see _startup's adoption
         _save.write_and_publish(prepared)
         # Written and durable: now it may be listed. If recording fails, the unlisted folder is
@@ -449,18 +465,19 @@ class CheckpointManager(PreemptionSaves):
 
     def _record(self, info: CheckpointInfo, token: str) -> None:
         """List the written checkpoint ``info`` and apply retention (every process, for ``token``)."""
-        candidates = [*self._infos, info]
         if self._primary:
-            retained = self._retain(candidates)
-            _retention.record(self._path, candidates, retained, token, publish=not self._own_copy)
-            self._last_preserved = retained.last_preserved
-            kept = retained.kept
+            with self._retention_lock:
+                candidates = [*self._infos, info]
+                retained = self._retain(candidates)
+                _retention.record(self._path, candidates, retained, token, publish=not self._own_copy)
+                self._last_preserved = retained.last_preserved
+                self._infos = retained.kept
+            # Off the save's path: the next save may start while these are deleted (see _retention).
+            self._deleter.delete(_retention.dropped_names(candidates, retained.kept))
         else:
+            candidates = [*self._infos, info]
             published = _multihost.kept(token, self._directory)
-            kept = published if published is not None else self._retain(candidates).kept
-        self._infos = kept
-        if self._primary:
-            _retention.delete_dropped(self._path, candidates, kept)
+            self._infos = published if published is not None else self._retain(candidates).kept
         # No process is done with a save before the state file lists it: a process that reads the
         # state file next (latest_checkpoint) must not find the previous one, perhaps being deleted.
         _multihost.barrier(f"{token}/recorded")
@@ -471,33 +488,79 @@ class CheckpointManager(PreemptionSaves):
         opts = self._options
         return _retention.retain(candidates, opts.policy, opts.hours, self._last_preserved, self._also_keep)
 
+    def _keep_only(self, kept: list[CheckpointInfo]) -> None:
+        """Primary: list only ``kept`` of the listed checkpoints, then delete the others (as retention)."""
+        with self._retention_lock:
+            old = list(self._infos)
+            if kept == old or self._options.read_only or not self._release.alive:
+                return
+            dropped = _retention.dropped_names(old, kept)
+            for name in dropped:
+                _retention.mark_dropped(self._path / name)
+            _statefile.write_state(self._path, kept, self._last_preserved)
+            self._infos = kept
+        self._deleter.delete(dropped)
+
+    def _reapply_retention(self) -> None:
+        """Apply retention again to what is listed: ``_also_keep`` kept a checkpoint that it lets go now."""
+        with self._retention_lock:
+            if not self._infos:
+                return
+            kept = self._retain(list(self._infos)).kept
+            # Only drops: a checkpoint that the hours rule would preserve now is left to the next save.
+            self._keep_only([c for c in self._infos if any(k.path == c.path for k in kept)])
+
     def wait_until_finished(self) -> None:
-        """Block until the background save is done and recorded; raise its error if it failed."""
-        self._background.wait()
+        """Block until the background save is done and recorded, and the checkpoints that retention
+        dropped are deleted; raise the save's error if it failed, else a deletion's."""
+        try:
+            self._background.wait()
+        finally:
+            self._deleter.wait()
+        self._raise_failed_deletes()
+
+    def _warn_failed_deletes(self) -> None:
+        """A deletion that failed is garbage the next manager removes: said, and saving goes on."""
+        error = self._deleter.failures()
+        if error is not None:
+            warnings.warn(str(error), stacklevel=4)
+
+    def _raise_failed_deletes(self) -> None:
+        error = self._deleter.failures()
+        if error is not None:
+            raise error
 
     # --- lifetime ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Finish the background save, then release the directory's lock.
+        """Finish the background save and the deletion of the checkpoints retention dropped, then
+        release the directory's lock.
 
         Reading ``checkpoints`` still works afterwards; saving does not. Raises the background
-        save's error, if any, after releasing the lock. If the wait is interrupted (Ctrl-C), the
-        lock stays held while the save still writes, and the manager stays open: call ``close()``
-        again, or exit (Python finishes the save at exit first; the kernel drops the lock when the
-        process ends).
+        save's error, if any, after releasing the lock (else a failed deletion's: see :meth:`save`).
+        If the wait is interrupted (Ctrl-C), the lock stays held while the save still writes, and the
+        manager stays open: call ``close()`` again, or exit (Python finishes the save at exit first;
+        the kernel drops the lock when the process ends).
         """
         self._close(report=True)
 
     def _close(self, *, report: bool) -> None:
         try:
-            self._background.wait()
+            try:
+                self._background.wait()
+            finally:
+                self._deleter.wait()  # the lock stays held while this manager deletes here
         finally:
-            if not self._background.pending:
-                self._release()
+            if not self._background.pending and not self._deleter.pending:
+                with self._retention_lock:
+                    self._release()
                 if self._preemption is not None:
                     self._preemption.close()
         if report:  # the end of training: what a restore left unused is said now at the latest
             self._checkpoint._settle(final=True)
+            self._raise_failed_deletes()
+        else:
+            self._warn_failed_deletes()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -3,9 +3,13 @@
 The checkpoint is written and published (every byte durable) first, marked ``.jaxckpt-unrecorded``
 inside (see :func:`jaxckpt._statefile.mark_unrecorded`); then :func:`record` replaces the state file
 atomically (temp file, fsync, rename, fsync of the directory) to list it and drop what retention
-lets go, each dropped one marked first; only then are marks cleared and :func:`delete_dropped`
-renames the dropped checkpoints away and deletes them. A crash at any instant therefore leaves every
-listed checkpoint whole, and only garbage that the next manager removes (see :mod:`jaxckpt._startup`).
+lets go, each dropped one marked first (in a bucket too: one small object); only then are marks
+cleared and the dropped checkpoints deleted, by the manager's :class:`Deleter`, in the background:
+a bucket deletes one object per request, and a large local folder takes a while too, so the save
+(and the next one) does not wait for it. Each is made not a checkpoint in one step before the rest
+goes: a local folder is renamed away, a bucket's ``index.json`` is deleted first. A crash at any
+instant therefore leaves every listed checkpoint whole, and only garbage that the next manager
+removes (see :mod:`jaxckpt._startup`): a marked checkpoint, or a prefix without an index.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import warnings
-from collections.abc import Collection, Sequence
+import threading
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from jaxckpt import _local_tree, _multihost, _staging, _statefile, _storage
+from jaxckpt import _kvstore, _local_tree, _multihost, _staging, _statefile, _storage
+from jaxckpt._async import Background
+from jaxckpt._errors import JaxckptError, StorageError
+from jaxckpt._format import INDEX_FILE
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 
 
@@ -72,12 +79,14 @@ def record(
     # Marked before the state file stops listing them, so that a crash before they are gone
     # leaves garbage the next manager removes, not checkpoints it would adopt.
     kept_paths = {c.path for c in retained.kept}
-    for c in candidates[:-1]:
-        if c.path not in kept_paths:
-            _statefile.mark_unrecorded(folder / os.path.basename(c.path))
+    dropped = [folder / os.path.basename(c.path) for c in candidates[:-1] if c.path not in kept_paths]
+    for checkpoint in dropped:
+        mark_dropped(checkpoint)
     try:
         _statefile.write_state(folder, retained.kept, retained.last_preserved)
     except BaseException as e:
+        for checkpoint in dropped:  # still listed: a mark would make it garbage if the state file went
+            _clear_mark(checkpoint)
         if publish:
             _multihost.publish_kept(token, None, f"{type(e).__name__}: {e}")
         raise
@@ -87,34 +96,182 @@ def record(
     _statefile.clear_unrecorded(folder / os.path.basename(candidates[-1].path))
 
 
-def delete_dropped(
-    folder: _storage.Location, candidates: Sequence[CheckpointInfo], kept: Sequence[CheckpointInfo]
-) -> None:
-    """Primary, once the state file no longer lists them: delete the candidates not kept."""
-    kept_paths = {c.path for c in kept}
-    for c in candidates:
-        if c.path not in kept_paths:
+def mark_dropped(checkpoint: _storage.Location) -> None:
+    """Mark ``checkpoint`` as not listed, before the state file drops it: a local folder as
+    :func:`jaxckpt._statefile.mark_unrecorded` does, a prefix in a bucket with an object of that name
+    (one request; a bucket checkpoint whose deletion a crash interrupted before its index went would
+    otherwise be adopted again)."""
+    if checkpoint.local is not None:
+        _statefile.mark_unrecorded(checkpoint)
+    elif _storage.is_checkpoint(checkpoint):
+        _kvstore.kv_write(checkpoint.spec(), _statefile.UNRECORDED, b"dropped by retention; being deleted\n")
+
+
+def is_marked(checkpoint: _storage.Location) -> bool:
+    """Whether ``checkpoint`` holds the mark :data:`jaxckpt._statefile.UNRECORDED` (local or bucket)."""
+    if checkpoint.local is not None:
+        return _statefile.is_marked(checkpoint)
+    return _kvstore.kv_exceeds(checkpoint.spec(), _statefile.UNRECORDED, 0) is not None  # at most 1 byte fetched
+
+
+def _clear_mark(checkpoint: _storage.Location) -> None:
+    try:
+        if checkpoint.local is not None:
+            _statefile.clear_unrecorded(checkpoint)
+        else:
+            _kvstore.kv_delete(checkpoint.spec(), _statefile.UNRECORDED)
+    except (OSError, JaxckptError):
+        pass  # best effort: the state file's failure is the news
+
+
+class Deleter:
+    """One manager's deletions of the checkpoints its retention dropped, in the background, in order.
+
+    One batch (the checkpoints one save dropped) runs at a time; :meth:`delete` waits for the one
+    before, so that a store slower than the saves holds the saves back instead of growing a backlog
+    of garbage. A failure to delete one checkpoint does not stop the others; failures are kept for
+    :meth:`failures` (the manager warns at the next save and raises from ``wait_until_finished`` and
+    ``close``, as for a failed copy to a durable tier). Local folders and buckets have a worker
+    thread each (see :mod:`jaxckpt._async`), so that a slow bucket never holds up a local tier.
+    """
+
+    def __init__(self, folder: _storage.Location) -> None:
+        self._folder = folder
+        self._background = Background(f"deleting old checkpoints in {str(folder)!r}", pool=_pool(folder))
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()  # names queued or being deleted
+        self._failures: list[tuple[str, Exception]] = []
+
+    @property
+    def pending(self) -> bool:
+        return self._background.pending
+
+    def deleting(self, name: str) -> bool:
+        """Whether the checkpoint ``name`` is queued or being deleted."""
+        with self._lock:
+            return name in self._pending
+
+    def delete(self, names: Iterable[str]) -> None:
+        """Delete the checkpoints ``names`` (in ``folder``, no longer listed), after the previous batch.
+
+        A local one is renamed away here (one step: its name is free when this returns), and deleted
+        in the background; a bucket's in the background, its index first."""
+        names = list(names)
+        if not names:
+            return
+        self._background.wait()  # raises only what is no storage failure (those are kept: _run)
+        hidden = []
+        for name in names:
             try:
-                _remove_tree(folder / os.path.basename(c.path))
-            except OSError as e:  # not listed any more, so the next manager removes it
-                warnings.warn(f"Could not delete the old checkpoint {c.path!r}: {e}", stacklevel=3)
+                target = _hide(self._folder / name)
+            except (OSError, JaxckptError) as e:
+                self._failed(name, e)
+                continue
+            if target is not None:
+                hidden.append((name, target))
+        if not hidden:
+            return
+        with self._lock:
+            self._pending.update(name for name, _ in hidden)
+        self._background.submit(lambda: self._run(hidden))
+
+    def _run(self, hidden: list[tuple[str, _storage.Location]]) -> None:
+        for name, target in hidden:
+            try:
+                _erase(target)
+            except (OSError, JaxckptError) as e:  # not listed any more, so the next manager removes it
+                self._failed(name, e)
+            finally:
+                with self._lock:
+                    self._pending.discard(name)
+
+    def _failed(self, name: str, error: Exception) -> None:
+        with self._lock:
+            self._failures.append((name, error))
+
+    def wait(self) -> None:
+        """Block until every queued deletion is done (its storage failures stay for :meth:`failures`)."""
+        self._background.wait()
+
+    def failures(self) -> StorageError | None:
+        """The failures since the last call, as one error naming them (None if there were none)."""
+        with self._lock:
+            failed, self._failures = self._failures, []
+        if not failed:
+            return None
+        names = [str(self._folder / name) for name, _ in failed]
+        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        first = failed[0][1]
+        return StorageError(
+            f"Could not delete the old checkpoints {shown}, which retention dropped: {first}. They are no "
+            "longer listed, so they are not checkpoints of this manager any more; the next manager that starts "
+            "in this directory removes them (or remove them yourself).",
+            getattr(first, "errno", None),
+        )
+
+
+def _pool(folder: _storage.Location) -> str:
+    return "delete" if folder.local is not None else "delete-bucket"
+
+
+def dropped_names(candidates: Sequence[CheckpointInfo], kept: Sequence[CheckpointInfo]) -> list[str]:
+    """The names of the candidates not kept (to delete once the state file no longer lists them)."""
+    kept_paths = {c.path for c in kept}
+    return [os.path.basename(c.path) for c in candidates if c.path not in kept_paths]
+
+
+def remove_checkpoint(path: _storage.Location) -> None:
+    """Remove what is left of a checkpoint at ``path`` (a manager's start-up), so that a crash midway
+    never leaves a half-deleted one that looks whole (see :func:`_remove_tree`); best effort locally,
+    as :func:`jaxckpt._storage.delete_tree`."""
+    if path.local is not None and (_storage.is_symlink(path) or not path.local.is_dir()):
+        _storage.delete_tree(path)
+        return
+    try:
+        _remove_tree(path)
+    except OSError:
+        if path.local is None:
+            raise
 
 
 def _remove_tree(path: _storage.Location) -> None:
+    target = _hide(path)
+    if target is not None:
+        _erase(target)
+
+
+def _hide(path: _storage.Location) -> _storage.Location | None:
+    """The quick first step of removing a checkpoint; returns what is left to :func:`_erase` (None: nothing)."""
     if _storage.is_symlink(path):
         # Another run's checkpoint linked here (adopted, then dropped): the link goes, in one step;
         # what it points to is never this directory's to delete.
         assert path.local is not None
         path.local.unlink()
-    elif path.local is not None:
+        return None
+    if path.local is not None:
         # Renamed out of the way first, atomically: a crash midway through rmtree leaves a hidden
         # leftover that the next manager removes, never a half-deleted folder under the checkpoint's
         # name (which, with its index still there, would look complete and be adopted).
         hidden = path.local.with_name(f".{path.local.name}{_staging.REPLACED_MARK}{secrets.token_hex(6)}")
         os.rename(path.local, hidden)
-        _delete_renamed(hidden)
-    else:
-        _storage.delete_tree(path)
+        return _storage.Location(str(hidden), local=hidden)
+    return path  # a bucket has no rename: see _erase
+
+
+def _erase(target: _storage.Location) -> None:
+    """The slow rest of removing a checkpoint: a renamed local folder, or a bucket's prefix."""
+    if target.local is not None:
+        _delete_renamed(target.local)
+        return
+    # No rename in a bucket: its index goes first, in one request, so that from then on the prefix
+    # is no checkpoint (a reader, or the next manager, finds no index); the objects left are garbage
+    # that the next manager removes, since nothing lists this prefix any more.
+    _kvstore.kv_delete(target.spec(), INDEX_FILE)
+    _delete_rest(target)
+
+
+def _delete_rest(path: _storage.Location) -> None:
+    _storage.delete_tree(path)  # one request per object
 
 
 def _delete_renamed(hidden: Path) -> None:

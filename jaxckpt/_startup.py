@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from jaxckpt import _staging, _statefile, _storage
+from jaxckpt import _retention, _staging, _statefile, _storage
 from jaxckpt._errors import CheckpointExistsError, ManagerLockedError
 from jaxckpt._manager_options import ManagerOptions
 from jaxckpt._policies import CheckpointInfo
@@ -76,8 +76,8 @@ def _unlisted_checkpoints(
         checkpoint = folder / name
         if not _storage.is_checkpoint(checkpoint):
             continue  # incomplete: remove_leftovers removes it
-        if _statefile.is_marked(checkpoint):
-            continue  # an interrupted save of a manager or of Checkpoint.save: garbage
+        if _retention.is_marked(checkpoint):
+            continue  # an interrupted save, or a deletion by retention (in a bucket too): garbage
         when = options.clock()
         if checkpoint.local is not None:
             try:
@@ -159,7 +159,11 @@ def remove_leftovers(
                 path = folder.local / name
                 if path.is_file() and not path.is_symlink():
                     path.unlink(missing_ok=True)
-        elif staging.fullmatch(name) or (options.number(name) is not None and name not in listed):
+        elif staging.fullmatch(name):
             _storage.delete_tree(folder / name)
+        elif options.number(name) is not None and name not in listed:
+            # As retention deletes: first made no checkpoint (renamed away, or its index deleted), so
+            # that a crash in the middle of this never leaves a half-deleted one to adopt next time.
+            _retention.remove_checkpoint(folder / name)
         elif name in listed:  # listed, but a crash came before its mark was dropped
             _statefile.clear_unrecorded(folder / name)

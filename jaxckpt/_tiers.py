@@ -62,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _copy, _local_tree, _multihost, _retention, _statefile, _storage
+from jaxckpt import _copy, _local_tree, _multihost, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError, JaxckptError
@@ -145,6 +145,7 @@ class TieredManager(CheckpointManager):
         """Save to the local tier (see :meth:`CheckpointManager.save`); if the step is due for the
         durable tier (``durable_interval_steps``, or ``force``), copy it there in the background."""
         self._report_failed_copy()
+        self._warn_failed_deletes()  # the durable tier's, which no save of its own reports
         self._local._background.wait()  # as the local save would first: its retention is done
         self._make_room()
         path = self._local.save(checkpoint_number, check_interval, step=step, force=force, metrics=metrics)
@@ -172,6 +173,7 @@ class TieredManager(CheckpointManager):
             if os.path.basename(c.path) in durable and c.path not in local._also_keep:
                 free += _local_tree.total_bytes(_storage.location(c.path)) or 0
                 self._keep_local([k for k in local._infos if k is not c])
+                local._deleter.wait()  # the space must be free before the save, not in the background
 
     def should_save(self, step: int) -> bool:
         return self._local.should_save(step)
@@ -207,6 +209,15 @@ class TieredManager(CheckpointManager):
                 raise
             finally:
                 self._local._also_keep.discard(info.path)
+            self._apply_local_retention()
+
+    def _apply_local_retention(self) -> None:
+        """Local retention kept a checkpoint while it was copied: what it lets go now goes now, not
+        only at the next local save (there may be none)."""
+        try:
+            self._local._reapply_retention()
+        except (OSError, JaxckptError) as e:  # the next local save applies retention again
+            warnings.warn(f"Could not apply the retention of {self._local.directory!r} after a copy: {e}", stacklevel=2)
 
     def _copy(self, info: CheckpointInfo) -> None:
         self._local._background.settle()  # the local write of this checkpoint is done (or failed)
@@ -236,11 +247,18 @@ class TieredManager(CheckpointManager):
                 )
 
     def wait_until_finished(self) -> None:
-        """Block until the local save and the durable copy are done; raise an error of either."""
+        """Block until the local save, the durable copy and the deletions in both tiers are done;
+        raise an error of one of them."""
         try:
             self._local.wait_until_finished()
         finally:
-            self._background.wait()
+            try:
+                self._background.wait()
+            finally:
+                self._local._deleter.wait()  # what the copy's end let go in the local tier
+                self._deleter.wait()
+        self._local._raise_failed_deletes()
+        self._raise_failed_deletes()
 
     # --- restoring ---------------------------------------------------------------------------------
 
@@ -355,13 +373,7 @@ class TieredManager(CheckpointManager):
 
     def _keep_local(self, kept: list[CheckpointInfo]) -> None:
         """Keep only ``kept`` of the local tier: listed first, then the others deleted (as retention)."""
-        local = self._local
-        old = list(local._infos)
-        if kept == old or local.read_only:
-            return
-        _statefile.write_state(local._path, kept, local._last_preserved)
-        _retention.delete_dropped(local._path, old, kept)
-        local._infos = kept
+        self._local._keep_only(kept)
 
     # --- preemption and lifetime -------------------------------------------------------------------
 
@@ -402,15 +414,21 @@ class TieredManager(CheckpointManager):
     def close(self) -> None:
         """Finish the local save and the durable copy, then release both directories."""
         try:
-            self._local.close()
+            self._background.settle()  # the copy first: its end may apply the local tier's retention
         finally:
-            super().close()
+            try:
+                self._local.close()
+            finally:
+                super().close()
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         try:
-            self._local._close(report=False)
+            self._background.settle()
         finally:
-            super().__exit__(exc_type, *exc)
+            try:
+                self._local._close(report=False)
+            finally:
+                super().__exit__(exc_type, *exc)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._directory!r}, local_directory={self._local.directory!r})"

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -346,7 +347,7 @@ def test_crash_between_state_update_and_deletion(tmp_path, monkeypatch):
     def crash(path):
         raise Crash(path)
 
-    monkeypatch.setattr(_retention, "_remove_tree", crash)
+    monkeypatch.setattr(_retention, "_hide", crash)  # deletion's first step, on the save's path
     with pytest.raises(Crash):
         manager.save()
     monkeypatch.undo()
@@ -362,15 +363,33 @@ def test_crash_between_state_update_and_deletion(tmp_path, monkeypatch):
 
 
 def test_failed_deletion_warns_and_keeps_going(tmp_path, monkeypatch):
+    """A deletion that fails in the background: the next saves warn and go on, wait_until_finished
+    raises, and the next manager removes what is left."""
+
     def refuse(path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(_retention, "_remove_tree", refuse)
+    monkeypatch.setattr(_retention, "_erase", refuse)
+    said = []
     with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=1, async_save=False) as manager:
         manager.save()
-        with pytest.warns(UserWarning, match="ckpt-1"):
-            assert manager.save() == str(tmp_path / "ckpt-2")
-        assert names(manager.checkpoints) == ["ckpt-2"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            # ckpt-1's deletion is done before save 4 starts (one batch at a time): save 4 warns at the latest
+            assert [manager.save() for _ in range(3)] == [str(tmp_path / f"ckpt-{n}") for n in (2, 3, 4)]
+        said += [str(w.message) for w in caught]
+        assert any("ckpt-1" in m for m in said)
+        with pytest.raises(jaxckpt.StorageError, match="Permission denied") as raised:
+            manager.wait_until_finished()  # what no save warned of yet
+        said.append(str(raised.value))
+        assert names(manager.checkpoints) == ["ckpt-4"]
+    assert all(f"ckpt-{n}'" in " ".join(said) for n in (1, 2, 3)), said
+    assert "no longer listed" in said[-1]
+    monkeypatch.undo()
+    assert folders(tmp_path) == ["ckpt-4"]  # the others renamed out of the way, not deleted
+    with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=1) as manager:
+        assert names(manager.checkpoints) == ["ckpt-4"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "ckpt-4"]
 
 
 def test_failed_save_changes_nothing(tmp_path):

@@ -293,3 +293,31 @@ def test_under_disk_pressure_local_checkpoints_the_durable_tier_holds_go_first(t
             "ckpt-2",
             "ckpt-6",
         ]
+
+
+def test_local_retention_lets_go_of_a_checkpoint_once_its_copy_ends(tmp_path, monkeypatch):
+    """Local retention keeps a checkpoint while its durable copy runs; when the copy ends, retention
+    applies again (before, ckpt-8 stayed in the local tier until the next local save, or for good)."""
+    real_copy, copying, release = _copy.copy_checkpoint, threading.Event(), threading.Event()
+
+    def held_copy(source, dest, **kw):
+        if Path(source).name == "ckpt-8":  # held until the local saves of steps 10 and 12 are recorded
+            copying.set()
+            assert release.wait(120), "the test never released the copy"
+        return real_copy(source, dest, **kw)
+
+    monkeypatch.setattr(_copy, "copy_checkpoint", held_copy)
+    ckpt = _fresh()
+    with _manager(ckpt, tmp_path / "durable", tmp_path / "local") as m:
+        _train(ckpt, m, 12)
+        m._local.wait_until_finished()
+        assert copying.is_set()
+        assert [c.step for c in m.local_checkpoint_infos] == [8, 10, 12]  # 8: still being copied
+        release.set()
+        m.wait_until_finished()
+        assert [c.step for c in m.local_checkpoint_infos] == [10, 12]
+        assert m.all_steps() == [8, 12]
+    assert sorted(p.name for p in (tmp_path / "local").iterdir() if "ckpt" in p.name) == ["ckpt-10", "ckpt-12"]
+    assert [
+        c.step for c in jaxckpt.CheckpointManager(_fresh(), tmp_path / "local", read_only=True).checkpoint_infos
+    ] == [10, 12]
