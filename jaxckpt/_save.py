@@ -47,16 +47,17 @@ def describe_sharding(x: jax.Array | jax.ShapeDtypeStruct) -> str | None:
 
 
 class _Packer:
-    """Lays small leaves end to end into packs of about PACK_TARGET_BYTES each."""
+    """Lays small leaves end to end into packs of about ``target`` bytes each."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: int = _tensorstore.PACK_TARGET_BYTES) -> None:
+        self.target = target
         self.packs: list[list[tuple[int, np.ndarray]]] = []
         self.sizes: list[int] = []
         self._built = 0  # packs before this one were handed to a writer
 
     def add(self, data: np.ndarray) -> InPack:
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        if self._built == len(self.packs) or self.sizes[-1] + raw.size > _tensorstore.PACK_TARGET_BYTES:
+        if self._built == len(self.packs) or self.sizes[-1] + raw.size > self.target:
             self.packs.append([])
             self.sizes.append(0)
         offset = -(-self.sizes[-1] // _tensorstore.PACK_ALIGN) * _tensorstore.PACK_ALIGN
@@ -212,10 +213,12 @@ def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own
         limit = host_memory_budget() if budget is None else budget
         writer = _tensorstore.Writer((staging / data_store(me)).spec())
         records = _Records(writer, me, limit, staging if own_copy else None)
-        taken = _take(flat, me, own_copy, limit)
+        if not writer.local:  # an object store: packs sized by the data (see _tensorstore.pack_target)
+            records.packer.target = _pack_target(flat, writer.pack_leaf_limit)
+        taken = _take(flat, me, own_copy, limit, writer.pack_leaf_limit)
         p = Prepared(os.fspath(path), dest, staging, token, overwrite, records, flat, taken, own_copy=own_copy)
         if p.taken is None:  # over the budget: recorded, and written out in parts, here
-            taker = Taker(me, own_copy, eager=True)
+            taker = Taker(me, own_copy, eager=True, pack_limit=writer.pack_leaf_limit)
             check_live_and_copy(flat.leaves)
             for key, x in flat.leaves.items():
                 records.add(key, taker.take(key, x))
@@ -232,9 +235,24 @@ def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own
     return p
 
 
-def _take(flat: Flat, me: int, own_copy: bool, budget: int) -> dict[str, Any] | None:
+def _pack_target(flat: Flat, pack_limit: int) -> int:
+    """The bytes a pack holds at most on an object store (:func:`jaxckpt._tensorstore.pack_target`),
+    from the arrays' sizes: the same in every process, whatever each holds."""
+    total = largest = 0
+    for x in flat.leaves.values():
+        try:
+            nbytes = math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+        except (AttributeError, TypeError, ValueError):  # a Python value, or a PRNG key (small)
+            continue
+        total += nbytes
+        if nbytes <= pack_limit:
+            largest = max(largest, nbytes)
+    return _tensorstore.pack_target(total, largest)
+
+
+def _take(flat: Flat, me: int, own_copy: bool, budget: int, pack_limit: int) -> dict[str, Any] | None:
     """Every leaf taken (see :class:`Taker`), or None if the copies would outgrow ``budget``."""
-    taker = Taker(me, own_copy, eager=False)
+    taker = Taker(me, own_copy, eager=False, pack_limit=pack_limit)
     taken = taker.take_all(flat.leaves, budget)
     if taken is None:
         return None
@@ -304,7 +322,7 @@ class _Records:
         for region, device in owned.items():
             by_process.setdefault(process_of(device), []).append(region)
         # Every process takes the same decisions here, so array numbers agree across processes.
-        if math.prod(shape) * dtype.itemsize <= _tensorstore.PACK_LEAF_LIMIT and set(by_process) == {0}:
+        if math.prod(shape) * dtype.itemsize <= self.writer.pack_leaf_limit and set(by_process) == {0}:
             packs = me == 0 or self.own_copy is not None
             return self.packer.add(host) if packs else InPack(0, 0, 0, 0)
         regions, layout = None, None

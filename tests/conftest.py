@@ -18,6 +18,15 @@ def small_packs(monkeypatch):
     from jaxckpt import _tensorstore
 
     monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", -1)
+
+
+@pytest.fixture
+def local_packing(monkeypatch):
+    """Object stores pack only the leaves that local disks pack (1 MiB), so that their layouts compare."""
+    from jaxckpt import _tensorstore
+
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", _tensorstore.PACK_LEAF_LIMIT)
 
 
 @pytest.fixture
@@ -35,6 +44,7 @@ def small_inner_chunks(monkeypatch):
 
     monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 1024)
     monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 1024)
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", 1024)
 
 
 # --- an S3-compatible server on loopback, for the s3:// tests ------------------------------------

@@ -81,9 +81,7 @@ def _mixed_tree(count: int) -> dict[str, np.ndarray]:
     return {f"a{i}": rng.standard_normal(int(rng.integers(25_000, 1_250_000)), dtype=np.float32) for i in range(count)}
 
 
-@pytest.mark.parametrize(
-    "count", [pytest.param(200, id="200 arrays"), pytest.param(40, id="40 arrays")]
-)
+@pytest.mark.parametrize("count", [pytest.param(200, id="200 arrays"), pytest.param(40, id="40 arrays")])
 def test_many_arrays_of_100kb_to_5mb_share_a_few_packs(bucket, count):
     if bucket.startswith("s3") and count == 200:
         pytest.skip("500 MB through moto: the memory:// run covers it")
