@@ -173,3 +173,31 @@ def test_pack_buffers_are_made_as_they_are_written(monkeypatch, s3):
     restored = jaxckpt.restore(path)
     for key, value in tree.items():
         _same_bits(restored[key], value)
+
+
+def test_large_arrays_sharded_over_8_devices_are_written_in_a_few_shards(bucket, monkeypatch):
+    """Over the pack limit, an array that one process holds on 8 devices is written in blocks of
+    several device shards of about 64 MiB (scaled down here: 1 MiB), not one object per device."""
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", 256 << 10)
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_MIN_BYTES", 1 * MiB)
+    mesh = _mesh8()
+    tree = {
+        "xy": jax.device_put(
+            jnp.arange(1024 * 512, dtype=jnp.float32).reshape(1024, 512), NamedSharding(mesh, P("x", "y"))
+        ),
+        "cols": jax.device_put(jnp.ones((256, 1000), jnp.bfloat16), NamedSharding(mesh, P(None, ("x", "y")))),
+        "rows": jax.device_put(
+            jnp.arange(12 * 40000, dtype=jnp.float32).reshape(12, 40000), NamedSharding(mesh, P("x"))
+        ),
+    }
+    path = jaxckpt.save(f"{bucket}/ckpt", tree)
+    shards = [o for o in _objects(path) if o.startswith("data/a/") and "/c/" in o]
+    assert len(shards) == 2 + 1 + 1, (
+        shards
+    )  # 2 MiB in 2 shards of 1 MiB; 500 KB whole; 1.9 MB in 1
+    template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()}
+    restored = jaxckpt.restore(path, template)
+    for key, value in tree.items():
+        assert restored[key].sharding == value.sharding
+        _same_bits(restored[key], value)
+    _same_bits(jaxckpt.load_variable(path, "rows"), tree["rows"])
