@@ -33,6 +33,7 @@ from jaxckpt._gc_pause import gc_paused, pause
 from jaxckpt._index_json import encode_index
 from jaxckpt._snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, whole
 from jaxckpt._snapshot import owners as _owners
+from jaxckpt._snapshot import region as _region
 from jaxckpt._tree import Flat, PathLike, describe, flatten
 from jaxckpt._version import __version__
 
@@ -331,6 +332,11 @@ class _Records:
             if layout is None:
                 regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
         shards = [max(b - a for a, b in dims) for dims in zip(*owned)] if shape else []
+        # On an object store, an array that process 0 holds in shards on its devices is written in
+        # shards of several of them, so that each object has about 64 MiB or more.
+        grouped = not self.writer.local and set(by_process) == {0} and len(owned) > 1
+        if grouped:
+            shards = _tensorstore.bucket_shard(shape, shards, dtype.itemsize)
         chunks = tuple(_tensorstore.chunk_shape(shape, shards, dtype.itemsize))
         at = InArray(f"a/{self._arrays}", self.writer.stored_dtype(dtype), regions, chunks, layout)
         self._arrays += 1
@@ -342,6 +348,9 @@ class _Records:
             parts = [(whole(shape), host)] if me in by_process else []
         else:
             parts = host
+        if grouped and parts:
+            parts = _grouped(parts, shape, dtype, chunks)
+            self._held += sum(data.nbytes for _, data in parts)
         self.writer.add_array(at.path, shape, dtype, chunks, parts)
         return at
 
@@ -355,6 +364,23 @@ class _Records:
             meshes=list({id(r): r for _, r in self.meshes.values()}.values()),
             aliases=flat.aliases,
         )
+
+
+def _grouped(
+    parts: list[tuple[tuple[slice, ...], np.ndarray]], shape: tuple[int, ...], dtype: np.dtype, shard: tuple[int, ...]
+) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """The shards of ``shard`` shape (each a block of whole device shards, see
+    :func:`jaxckpt._tensorstore.bucket_shard`) put together from the device shards ``parts``."""
+    out: dict[tuple[int, ...], tuple[tuple[slice, ...], np.ndarray]] = {}
+    for index, data in parts:
+        box = _region(index, shape)
+        position = tuple(lo // s for (lo, _), s in zip(box, shard))
+        if position not in out:
+            bounds = tuple(slice(p * s, min((p + 1) * s, n)) for p, s, n in zip(position, shard, shape))
+            out[position] = (bounds, np.empty([b.stop - b.start for b in bounds], dtype))
+        bounds, buffer = out[position]
+        buffer[tuple(slice(lo - b.start, hi - b.start) for (lo, hi), b in zip(box, bounds))] = data
+    return [out[p] for p in sorted(out)]
 
 
 @gc_paused

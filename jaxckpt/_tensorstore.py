@@ -121,6 +121,20 @@ def pack_target(data_bytes: int, largest: int) -> int:
     return max(BUCKET_PACK_MIN_BYTES, min(PACK_TARGET_BYTES, max(data_bytes * 2 // 5, 2 * largest)))
 
 
+def bucket_shard(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> list[int]:
+    """The shard shape of an array that one process holds in device shards of ``shard`` shape, on an
+    object store: blocks of whole device shards, grown along the leading dimensions first until a
+    shard holds BUCKET_PACK_MIN_BYTES or the whole array, so that eight shards of 16 MiB are one
+    object of 128 MiB, not eight (and a zarr.json)."""
+    out = [max(1, s) for s in shard]
+    for d, n in enumerate(shape):
+        while math.prod(out) * itemsize < BUCKET_PACK_MIN_BYTES and out[d] < n:
+            count = -(-n // out[d])  # device shards along d in each block: grow by the least factor
+            factor = next(f for f in range(2, count + 1) if count % f == 0)
+            out[d] = min(n, out[d] * factor)
+    return out
+
+
 def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> list[int]:
     """The shard shape (zarr3 outer chunk) the index records for an array of ``shape`` whose regions
     are ``shard`` in size (format version 4; see :func:`jaxckpt._zarr_meta.shard_shape`)."""
