@@ -23,10 +23,13 @@ def small_packs(monkeypatch):
 
 @pytest.fixture
 def local_packing(monkeypatch):
-    """Object stores pack only the leaves that local disks pack (1 MiB), so that their layouts compare."""
+    """Object stores pack only the leaves that local disks pack (1 MiB), in packs of the same size, and
+    write arrays in device shards, so that their layouts compare."""
     from jaxckpt import _tensorstore
 
     monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", _tensorstore.PACK_LEAF_LIMIT)
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(_tensorstore, "pack_target", lambda data_bytes, largest: _tensorstore.PACK_TARGET_BYTES)
 
 
 @pytest.fixture

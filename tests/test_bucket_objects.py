@@ -169,7 +169,8 @@ def test_pack_buffers_are_made_as_they_are_written(monkeypatch, s3):
     finally:
         tracemalloc.stop()
     assert len([o for o in _objects(path) if o.endswith("/c/0")]) == 8
-    assert peak < 48 * MiB, f"{peak / MiB:.0f} MiB held at once"
+    # In flight: 16 MiB and one pack more, one being made, and one whose upload lets go of it late.
+    assert peak <= 64 * MiB, f"{peak / MiB:.0f} MiB held at once (of 128)"
     restored = jaxckpt.restore(path)
     for key, value in tree.items():
         _same_bits(restored[key], value)
@@ -192,9 +193,7 @@ def test_large_arrays_sharded_over_8_devices_are_written_in_a_few_shards(bucket,
     }
     path = jaxckpt.save(f"{bucket}/ckpt", tree)
     shards = [o for o in _objects(path) if o.startswith("data/a/") and "/c/" in o]
-    assert len(shards) == 2 + 1 + 1, (
-        shards
-    )  # 2 MiB in 2 shards of 1 MiB; 500 KB whole; 1.9 MB in 1
+    assert len(shards) == 2 + 1 + 1, shards  # 2 MiB in 2 shards of 1 MiB; 500 KB whole; 1.9 MB in 1
     template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()}
     restored = jaxckpt.restore(path, template)
     for key, value in tree.items():
