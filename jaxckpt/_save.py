@@ -333,8 +333,14 @@ class _Records:
                 regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
         shards = [max(b - a for a, b in dims) for dims in zip(*owned)] if shape else []
         # On an object store, an array that process 0 holds in shards on its devices is written in
-        # shards of several of them, so that each object has about 64 MiB or more.
-        grouped = not self.writer.local and set(by_process) == {0} and len(owned) > 1
+        # shards of several of them, so that each object has about 64 MiB or more (where the device
+        # shards lie on a grid of their shape, so that blocks of them hold each whole).
+        grouped = (
+            not self.writer.local
+            and set(by_process) == {0}
+            and len(owned) > 1
+            and all(lo % s == 0 for box in owned for (lo, _), s in zip(box, shards))
+        )
         if grouped:
             shards = _tensorstore.bucket_shard(shape, shards, dtype.itemsize)
         chunks = tuple(_tensorstore.chunk_shape(shape, shards, dtype.itemsize))

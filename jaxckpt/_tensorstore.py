@@ -114,10 +114,10 @@ def pack_chunk(nbytes: int) -> int:
 
 def pack_target(data_bytes: int, largest: int) -> int:
     """The bytes a pack holds at most on an object store, for a save of about ``data_bytes`` bytes of
-    arrays whose largest packed leaf is ``largest`` bytes: packs of a third of the data or more (and
-    at least twice the largest leaf, so that every pack but the last is over half full), so that a
-    checkpoint of up to 512 MiB stays within 8 objects (three packs of a zarr.json and a shard, and
-    the index); several packs are written at once, up to WRITE_AHEAD_BYTES in flight."""
+    arrays whose largest packed leaf is ``largest`` bytes: packs of two fifths of the data or more
+    (and at least twice the largest leaf, so that every pack but the last is over half full), so
+    that a checkpoint of up to 512 MiB stays within 8 objects (three packs of a zarr.json and a
+    shard each, and the index); several packs are written at once, up to WRITE_AHEAD_BYTES in flight."""
     return max(BUCKET_PACK_MIN_BYTES, min(PACK_TARGET_BYTES, max(data_bytes * 2 // 5, 2 * largest)))
 
 
