@@ -33,6 +33,7 @@ from jaxckpt._gc_pause import gc_paused, pause
 from jaxckpt._index_json import encode_index
 from jaxckpt._snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, whole
 from jaxckpt._snapshot import owners as _owners
+from jaxckpt._snapshot import region as _region
 from jaxckpt._tree import Flat, PathLike, describe, flatten
 from jaxckpt._version import __version__
 
@@ -47,16 +48,17 @@ def describe_sharding(x: jax.Array | jax.ShapeDtypeStruct) -> str | None:
 
 
 class _Packer:
-    """Lays small leaves end to end into packs of about PACK_TARGET_BYTES each."""
+    """Lays small leaves end to end into packs of about ``target`` bytes each."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: int = _tensorstore.PACK_TARGET_BYTES) -> None:
+        self.target = target
         self.packs: list[list[tuple[int, np.ndarray]]] = []
         self.sizes: list[int] = []
         self._built = 0  # packs before this one were handed to a writer
 
     def add(self, data: np.ndarray) -> InPack:
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        if self._built == len(self.packs) or self.sizes[-1] + raw.size > _tensorstore.PACK_TARGET_BYTES:
+        if self._built == len(self.packs) or self.sizes[-1] + raw.size > self.target:
             self.packs.append([])
             self.sizes.append(0)
         offset = -(-self.sizes[-1] // _tensorstore.PACK_ALIGN) * _tensorstore.PACK_ALIGN
@@ -212,10 +214,12 @@ def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own
         limit = host_memory_budget() if budget is None else budget
         writer = _tensorstore.Writer((staging / data_store(me)).spec())
         records = _Records(writer, me, limit, staging if own_copy else None)
-        taken = _take(flat, me, own_copy, limit)
+        if not writer.local:  # an object store: packs sized by the data (see _tensorstore.pack_target)
+            records.packer.target = _pack_target(flat, writer.pack_leaf_limit)
+        taken = _take(flat, me, own_copy, limit, writer.pack_leaf_limit)
         p = Prepared(os.fspath(path), dest, staging, token, overwrite, records, flat, taken, own_copy=own_copy)
         if p.taken is None:  # over the budget: recorded, and written out in parts, here
-            taker = Taker(me, own_copy, eager=True)
+            taker = Taker(me, own_copy, eager=True, pack_limit=writer.pack_leaf_limit)
             check_live_and_copy(flat.leaves)
             for key, x in flat.leaves.items():
                 records.add(key, taker.take(key, x))
@@ -232,9 +236,24 @@ def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own
     return p
 
 
-def _take(flat: Flat, me: int, own_copy: bool, budget: int) -> dict[str, Any] | None:
+def _pack_target(flat: Flat, pack_limit: int) -> int:
+    """The bytes a pack holds at most on an object store (:func:`jaxckpt._tensorstore.pack_target`),
+    from the arrays' sizes: the same in every process, whatever each holds."""
+    total = largest = 0
+    for x in flat.leaves.values():
+        try:
+            nbytes = math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+        except (AttributeError, TypeError, ValueError):  # a Python value, or a PRNG key (small)
+            continue
+        total += nbytes
+        if nbytes <= pack_limit:
+            largest = max(largest, nbytes)
+    return _tensorstore.pack_target(total, largest)
+
+
+def _take(flat: Flat, me: int, own_copy: bool, budget: int, pack_limit: int) -> dict[str, Any] | None:
     """Every leaf taken (see :class:`Taker`), or None if the copies would outgrow ``budget``."""
-    taker = Taker(me, own_copy, eager=False)
+    taker = Taker(me, own_copy, eager=False, pack_limit=pack_limit)
     taken = taker.take_all(flat.leaves, budget)
     if taken is None:
         return None
@@ -304,7 +323,7 @@ class _Records:
         for region, device in owned.items():
             by_process.setdefault(process_of(device), []).append(region)
         # Every process takes the same decisions here, so array numbers agree across processes.
-        if math.prod(shape) * dtype.itemsize <= _tensorstore.PACK_LEAF_LIMIT and set(by_process) == {0}:
+        if math.prod(shape) * dtype.itemsize <= self.writer.pack_leaf_limit and set(by_process) == {0}:
             packs = me == 0 or self.own_copy is not None
             return self.packer.add(host) if packs else InPack(0, 0, 0, 0)
         regions, layout = None, None
@@ -313,6 +332,17 @@ class _Records:
             if layout is None:
                 regions = {data_store(p): [list(r) for r in rs] for p, rs in sorted(by_process.items())}
         shards = [max(b - a for a, b in dims) for dims in zip(*owned)] if shape else []
+        # On an object store, an array that process 0 holds in shards on its devices is written in
+        # shards of several of them, so that each object has about 64 MiB or more (where the device
+        # shards lie on a grid of their shape, so that blocks of them hold each whole).
+        grouped = (
+            not self.writer.local
+            and set(by_process) == {0}
+            and len(owned) > 1
+            and all(lo % s == 0 for box in owned for (lo, _), s in zip(box, shards))
+        )
+        if grouped:
+            shards = _tensorstore.bucket_shard(shape, shards, dtype.itemsize)
         chunks = tuple(_tensorstore.chunk_shape(shape, shards, dtype.itemsize))
         at = InArray(f"a/{self._arrays}", self.writer.stored_dtype(dtype), regions, chunks, layout)
         self._arrays += 1
@@ -324,6 +354,9 @@ class _Records:
             parts = [(whole(shape), host)] if me in by_process else []
         else:
             parts = host
+        if grouped and parts:
+            parts = _grouped(parts, shape, dtype, chunks)
+            self._held += sum(data.nbytes for _, data in parts)
         self.writer.add_array(at.path, shape, dtype, chunks, parts)
         return at
 
@@ -337,6 +370,23 @@ class _Records:
             meshes=list({id(r): r for _, r in self.meshes.values()}.values()),
             aliases=flat.aliases,
         )
+
+
+def _grouped(
+    parts: list[tuple[tuple[slice, ...], np.ndarray]], shape: tuple[int, ...], dtype: np.dtype, shard: tuple[int, ...]
+) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """The shards of ``shard`` shape (each a block of whole device shards, see
+    :func:`jaxckpt._tensorstore.bucket_shard`) put together from the device shards ``parts``."""
+    out: dict[tuple[int, ...], tuple[tuple[slice, ...], np.ndarray]] = {}
+    for index, data in parts:
+        box = _region(index, shape)
+        position = tuple(lo // s for (lo, _), s in zip(box, shard))
+        if position not in out:
+            bounds = tuple(slice(p * s, min((p + 1) * s, n)) for p, s, n in zip(position, shard, shape))
+            out[position] = (bounds, np.empty([b.stop - b.start for b in bounds], dtype))
+        bounds, buffer = out[position]
+        buffer[tuple(slice(lo - b.start, hi - b.start) for (lo, hi), b in zip(box, bounds))] = data
+    return [out[p] for p in sorted(out)]
 
 
 @gc_paused

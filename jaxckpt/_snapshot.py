@@ -172,8 +172,10 @@ class Taker:
     at once (the caller started every device-to-host copy first, :func:`check_live_and_copy`);
     otherwise arrays not on this process's CPU are left for :meth:`finish`."""
 
-    def __init__(self, me: int, own_copy: bool, eager: bool) -> None:
+    def __init__(self, me: int, own_copy: bool, eager: bool, pack_limit: int | None = None) -> None:
         self.me, self.own_copy, self.eager = me, own_copy, eager
+        # Arrays of up to this many bytes that process 0 holds go to packs, whole (the writer's limit).
+        self.pack_limit = _tensorstore.PACK_LEAF_LIMIT if pack_limit is None else pack_limit
         self.copied = 0  # bytes of copies taken (a CPU array's view costs none)
         self.later: list[tuple[str, list[Any]]] = []
         # Whether a sharding is one CPU device of this process: by id (the sharding held, so that its id
@@ -275,7 +277,11 @@ class Taker:
 
     def later_bytes(self) -> int:
         """At most the bytes that :meth:`finish` would copy (each array's whole size)."""
-        return sum(item[2].nbytes for _, item in self.later if not on_cpu(item[2]))
+        return sum(item[2].nbytes for _, item in self.later if not on_cpu(item[2]) or self._gathered(item[2]))
+
+    def _gathered(self, x: jax.Array) -> bool:
+        """Whether a CPU array is copied whole to go into a pack: it has shards on several devices."""
+        return x.nbytes <= self.pack_limit and len(x.sharding.device_set) > 1
 
     def finish(self) -> None:
         """Take the host data of the arrays left for now, after starting every device-to-host copy."""
@@ -293,10 +299,10 @@ class Taker:
         owned = owners(x)
         by_process = {process_of(d) for d in owned.values()}
         cpu = on_cpu(x)
-        if x.nbytes <= _tensorstore.PACK_LEAF_LIMIT and by_process == {0}:
+        if x.nbytes <= self.pack_limit and by_process == {0}:
             if self.me == 0 or self.own_copy:
-                host = np.asarray(x)
-                item[3], item[4] = host, 0 if cpu else host.nbytes
+                host = np.asarray(x)  # shards on several devices: gathered into one copy
+                item[3], item[4] = host, 0 if cpu and len(owned) == 1 else host.nbytes
             else:
                 item[3] = None
         elif self.own_copy:

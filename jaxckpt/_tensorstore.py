@@ -49,6 +49,15 @@ PACK_LEAF_LIMIT = 1 << 20
 PACK_CHUNK_BYTES = 4 << 20
 # A pack holds at most about this many bytes.
 PACK_TARGET_BYTES = 256 << 20
+# On object stores (buckets, memory://) every object costs requests, which buckets charge and throttle
+# (GCS: about one write a second per object name; S3: 3,500 a second per prefix), so there leaves up
+# to this many bytes that process 0 holds, whole or in shards on its devices, go to packs too: a
+# checkpoint is then about one object per 64 MiB of data, not two files per array and one per shard.
+# An array of its own costs its zarr.json and a shard: two objects, each over 64 MiB on average from
+# here. Local disks keep PACK_LEAF_LIMIT, where files are cheap and each array is written in place.
+BUCKET_PACK_LEAF_LIMIT = 128 << 20
+# On object stores packs are no smaller than this, so that several upload at once (see pack_target).
+BUCKET_PACK_MIN_BYTES = 64 << 20
 # Byte alignment of leaves inside a pack, as of the buffers read into: on CPU, jax aliases a
 # 64-byte-aligned host buffer instead of copying it.
 PACK_ALIGN = 64
@@ -103,6 +112,29 @@ def pack_chunk(nbytes: int) -> int:
     return max(1, min(nbytes, PACK_CHUNK_BYTES))
 
 
+def pack_target(data_bytes: int, largest: int) -> int:
+    """The bytes a pack holds at most on an object store, for a save of about ``data_bytes`` bytes of
+    arrays whose largest packed leaf is ``largest`` bytes: packs of two fifths of the data or more
+    (and at least twice the largest leaf, so that every pack but the last is over half full), so
+    that a checkpoint of up to 512 MiB stays within 8 objects (three packs of a zarr.json and a
+    shard each, and the index); several packs are written at once, up to WRITE_AHEAD_BYTES in flight."""
+    return max(BUCKET_PACK_MIN_BYTES, min(PACK_TARGET_BYTES, max(data_bytes * 2 // 5, 2 * largest)))
+
+
+def bucket_shard(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> list[int]:
+    """The shard shape of an array that one process holds in device shards of ``shard`` shape, on an
+    object store: blocks of whole device shards, grown along the leading dimensions first until a
+    shard holds BUCKET_PACK_MIN_BYTES or the whole array, so that eight shards of 16 MiB are one
+    object of 128 MiB, not eight (and a zarr.json)."""
+    out = [max(1, s) for s in shard]
+    for d, n in enumerate(shape):
+        while math.prod(out) * itemsize < BUCKET_PACK_MIN_BYTES and out[d] < n:
+            count = -(-n // out[d])  # device shards along d in each block: grow by the least factor
+            factor = next(f for f in range(2, count + 1) if count % f == 0)
+            out[d] = min(n, out[d] * factor)
+    return out
+
+
 def chunk_shape(shape: Sequence[int], shard: Sequence[int], itemsize: int) -> list[int]:
     """The shard shape (zarr3 outer chunk) the index records for an array of ``shape`` whose regions
     are ``shard`` in size (format version 4; see :func:`jaxckpt._zarr_meta.shard_shape`)."""
@@ -147,7 +179,7 @@ class Writer:
         folder = _local_folder(base)
         self._local = _zarr_write.LocalWriter(folder) if folder is not None else None
         self._context = _context()
-        self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]]]] = []
+        self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]] | _PackParts]] = []
         self._checksums: _checksums.Written = {}
 
     @property
@@ -161,6 +193,16 @@ class Writer:
             self._local.finish(save)
         elif self._checksums:
             _kvstore.kv_write(self._base, CHECKSUMS_FILE, _checksums.encode(save, self._checksums))
+
+    @property
+    def local(self) -> bool:
+        """Whether jaxckpt's own writer writes the files (a local disk), not TensorStore (an object store)."""
+        return self._local is not None
+
+    @property
+    def pack_leaf_limit(self) -> int:
+        """Leaves of up to this many bytes that process 0 holds go to packs (see BUCKET_PACK_LEAF_LIMIT)."""
+        return PACK_LEAF_LIMIT if self._local is not None else BUCKET_PACK_LEAF_LIMIT
 
     def stored_dtype(self, dtype: np.dtype) -> str:
         """The zarr data type this writer stores an array of ``dtype`` as (see :func:`stored_dtype`)."""
@@ -200,11 +242,8 @@ class Writer:
         if self._local is not None:  # written from the leaves' own buffers
             self._local.add_pack(path, nbytes, pieces, chunk)
             return
-        buffer = np.zeros(nbytes, np.uint8)
-        for offset, data in pieces:
-            buffer[offset : offset + data.size] = data
         metadata = _spec_metadata(_zarr_meta.pack_metadata(nbytes, chunk))
-        self._planned.append((path, metadata, [((slice(None),), buffer)] if nbytes else []))
+        self._planned.append((path, metadata, _PackParts(nbytes, list(pieces))))
 
     def flush(self) -> None:
         """Create and write everything recorded so far, durably; then forget it."""
@@ -215,8 +254,11 @@ class Writer:
         opens = [_create(self._base, path, metadata, self._context) for path, metadata, _ in planned]
         in_flight = InFlight(WRITE_AHEAD_BYTES)
         try:
-            for (_, _, parts), future in zip(planned, opens):
+            for i, ((_, _, parts), future) in enumerate(zip(planned, opens)):
                 store = future.result()
+                if isinstance(parts, _PackParts):  # its buffer made only now, within the bytes in flight
+                    parts = parts.build()
+                planned[i] = (planned[i][0], planned[i][1], [])  # what is written is not held beyond its write
                 for index, data in parts:
                     in_flight.add(data.nbytes, store[index].write(data, can_reference_source_data_indefinitely=True))
             in_flight.drain()
@@ -261,6 +303,25 @@ def _create(base: dict[str, Any], path: str, metadata: dict[str, Any], context: 
         "store_data_equal_to_fill_value": True,
     }
     return _Created(written, ts.open(spec, open=True, assume_metadata=True, context=context))
+
+
+class _PackParts(NamedTuple):
+    """A pack to write from its leaves (offset, uint8 data): its one buffer is made as it is written."""
+
+    nbytes: int
+    pieces: list[tuple[int, np.ndarray]]
+
+    def build(self) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+        if not self.nbytes:
+            return []
+        buffer = np.empty(self.nbytes, np.uint8)
+        at = 0
+        for offset, data in self.pieces:
+            buffer[at:offset] = 0
+            buffer[offset : offset + data.size] = data
+            at = offset + data.size
+        buffer[at:] = 0
+        return [((slice(None),), buffer)]
 
 
 def _write_failure(error: Exception) -> JaxckptError:

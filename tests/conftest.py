@@ -20,6 +20,18 @@ def small_packs(monkeypatch):
     from jaxckpt import _tensorstore
 
     monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", -1)
+
+
+@pytest.fixture
+def local_packing(monkeypatch):
+    """Object stores pack only the leaves that local disks pack (1 MiB), in packs of the same size, and
+    write arrays in device shards, so that their layouts compare."""
+    from jaxckpt import _tensorstore
+
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", _tensorstore.PACK_LEAF_LIMIT)
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(_tensorstore, "pack_target", lambda data_bytes, largest: _tensorstore.PACK_TARGET_BYTES)
 
 
 @pytest.fixture
@@ -37,6 +49,7 @@ def small_inner_chunks(monkeypatch):
 
     monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 1024)
     monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 1024)
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", 1024)
 
 
 # --- bucket servers on loopback: S3 (moto) for s3://, a GCS emulator for gs:// ---------------------

@@ -429,9 +429,10 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("packed", LAYOUTS)
-def test_s3_writes_the_layout_the_local_reader_reads(tmp_path, monkeypatch, s3, packed):
+def test_s3_writes_the_layout_the_local_reader_reads(tmp_path, monkeypatch, s3, local_packing, packed):
     if not packed:
         monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", -1)
     tree = _tree_for_layout(packed)
     local = Path(jaxckpt.save(tmp_path / "local", tree))
     remote = jaxckpt.save(f"{s3}/c", tree)
@@ -469,9 +470,10 @@ def test_what_jaxckpt_writes_locally_reads_on_s3(tmp_path, s3):
 
 
 @pytest.mark.parametrize("packed", LAYOUTS)
-def test_memory_store_writes_the_same_layout(tmp_path, monkeypatch, packed):
+def test_memory_store_writes_the_same_layout(tmp_path, monkeypatch, local_packing, packed):
     if not packed:
         monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", -1)
     tree = {"w": np.random.default_rng(8).standard_normal((50, 70)).astype(np.float32), "s": np.arange(3.0)}
     if packed:
         tree["b"] = np.array([True, False])
