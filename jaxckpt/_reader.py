@@ -112,6 +112,7 @@ class Opened:
         self._checksums: dict[str, StoreChecksums] = {}
         self._checksums_limit: int | None = None
         self._stored_bytes: dict[str, int] = {}  # per data store, for _check_backed
+        self.check_zarr_json = False  # see _tensorstore.Reader.check_zarr_json; set before any read
 
     def _pin_and_read_index(self) -> tuple[_zarr_local.PinnedFolder | None, bytes]:
         """The folder held open, and its index. Opened just as an overwriting save swapped it out, the
@@ -372,6 +373,7 @@ class Opened:
             self._readers[store] = _tensorstore.Reader(
                 spec, version=self.index.version, pinned=pinned, checksums=checksums
             )
+            self._readers[store].check_zarr_json = self.check_zarr_json
         return self._readers[store]
 
     def _checksums_of(self, store: str) -> StoreChecksums:

@@ -48,6 +48,7 @@ def verify(path: str, progress: Progress | None = None, *, opened: Opened | None
     except StorageError as e:
         result.unreadable.append(("", str(e)))
         return result
+    opened.check_zarr_json = True  # what TensorStore and zarr-python read must match the index too
     leaves = opened.index.leaves
     result.values = len(leaves)
     if isinstance(opened, ForeignOpened) and not getattr(opened.checkpoint.reader, "checksums", False):
