@@ -37,7 +37,8 @@ import tensorstore as ts
 
 from jaxckpt._errors import CheckpointCorruptedError, JaxckptError, StorageError
 
-_CONTEXT: ts.Context | None = None
+# The process's context, and the settings it was made with (one value, so that they never disagree).
+_MADE: tuple[ts.Context, Settings] | None = None
 
 TIMEOUT_VARIABLE = "JAXCKPT_BUCKET_TIMEOUT"
 RETRIES_VARIABLE = "JAXCKPT_BUCKET_RETRIES"
@@ -58,11 +59,12 @@ class Settings:
         """The deadline of an operation that moves ``nbytes`` bytes of data."""
         return self.timeout + DATA_SECONDS_PER_MIB * nbytes / (1 << 20)
 
-    def retry_resource(self) -> dict[str, Any]:
-        """TensorStore's ``s3_request_retries`` / ``gcs_request_retries`` resource."""
+    def retry_resources(self) -> dict[str, Any]:
+        """TensorStore's ``s3_request_retries`` and ``gcs_request_retries`` context resources."""
         max_delay = min(32.0, self.timeout / 12)
         first = min(_FIRST_DELAY, max_delay)
-        return {"max_retries": self.retries, "initial_delay": f"{first:.3f}s", "max_delay": f"{max_delay:.3f}s"}
+        retry = {"max_retries": self.retries, "initial_delay": f"{first:.3f}s", "max_delay": f"{max_delay:.3f}s"}
+        return {"s3_request_retries": retry, "gcs_request_retries": retry}
 
     def curl_defaults(self) -> dict[str, str]:
         """TensorStore's HTTP client settings (environment variables), where the user set none."""
@@ -97,14 +99,11 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
     return Settings(timeout, retries)
 
 
-_SETTINGS: Settings | None = None
-
-
 def current() -> Settings:
     """The settings of this process's context (read when it was made)."""
     context()
-    assert _SETTINGS is not None
-    return _SETTINGS
+    assert _MADE is not None
+    return _MADE[1]
 
 
 def context() -> ts.Context:
@@ -113,23 +112,15 @@ def context() -> ts.Context:
     (fsync of every file written) is TensorStore's default today; it is set here because a checkpoint
     is published as durable, and a changed default must not silently break that. Bucket requests are
     retried as :class:`Settings` says (module docstring)."""
-    global _CONTEXT, _SETTINGS
-    if _CONTEXT is None:
+    global _MADE
+    if _MADE is None:
         chosen = settings()
         for name, value in chosen.curl_defaults().items():
             # Read by TensorStore when it makes its HTTP client, at the first request; the user's win.
             os.environ.setdefault(name, value)
-        retry = chosen.retry_resource()
-        _CONTEXT = ts.Context(
-            {
-                "cache_pool": {"total_bytes_limit": 0},
-                "file_io_sync": True,
-                "s3_request_retries": retry,
-                "gcs_request_retries": retry,
-            }
-        )
-        _SETTINGS = chosen
-    return _CONTEXT
+        spec = {"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True, **chosen.retry_resources()}
+        _MADE = (ts.Context(spec), chosen)
+    return _MADE[0]
 
 
 def store_url(base: Mapping[str, Any], key: str = "") -> str:

@@ -71,7 +71,7 @@ def through_proxy(server: Server, proxy: BucketProxy, monkeypatch: pytest.Monkey
     """The URL prefix of a fresh folder in the bucket, reached in this process through ``proxy``."""
     for k, v in server.env(proxy.endpoint).items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(_kvstore, "_CONTEXT", None)  # a context of its own, with this test's settings
+    monkeypatch.setattr(_kvstore, "_MADE", None)  # a context of its own, with this test's settings
     return f"{server.scheme}://{server.bucket}/{request.node.name.replace('[', '-').rstrip(']')}"
 
 
