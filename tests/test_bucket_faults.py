@@ -131,6 +131,22 @@ def test_a_manager_saves_and_retains_through_faults(through_proxy, proxy):
     assert jaxckpt.restore(f"{through_proxy}/run/ckpt-3")["w"].tolist() == [3.0] * 1000
 
 
+@pytest.mark.parametrize("failing", ["index.json", "/data/"])
+def test_a_save_whose_writes_keep_failing_publishes_nothing(through_proxy, proxy, monkeypatch, failing):
+    """Only index.json commits a save: one that fails writing its data or its index leaves no
+    checkpoint, and the next save there takes the place."""
+    monkeypatch.setenv("JAXCKPT_BUCKET_TIMEOUT", "5")  # read when the test's context is made, below
+    path = f"{through_proxy}/c"
+    proxy.faults = lambda method, p: 503 if method in ("PUT", "POST") and failing in p else None
+    with pytest.raises(jaxckpt.StorageError, match=r"503"):
+        jaxckpt.save(path, _tree())
+    proxy.faults = None
+    with pytest.raises(jaxckpt.CheckpointNotFoundError):
+        jaxckpt.restore(path)
+    tree = _tree()
+    _assert_same(jaxckpt.restore(jaxckpt.save(path, tree)), tree)
+
+
 # --- (b), (c) an endpoint that fails every request, refuses, or never answers -------------------
 
 # Runs save, restore and ls (each a step) and prints, per step, the exception's class and message.
