@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 
 from jaxckpt import _kvstore, _local_tree, _multihost, _storage
-from jaxckpt._errors import CheckpointExistsError
+from jaxckpt._errors import CheckpointExistsError, StorageError
 from jaxckpt._format import INDEX_FILE
 from jaxckpt._storage import (
     NAME_MAX,
@@ -322,9 +322,17 @@ def _publish_local(staged: Path, dest: Path, path: Location, index: bytes, overw
 
 
 def discard(staging: Location) -> None:
-    """Remove an unfinished save (in an object store: its data under the destination)."""
+    """Remove an unfinished save (in an object store: its data under the destination, best effort).
+
+    It runs while the save's own error propagates. In an object store that refuses or stopped
+    answering (often the very cause), failing to delete is not reported over that error: what is left
+    has no index, so it is no checkpoint, and the next save there removes it by its marker.
+    """
     try:
         delete_tree(staging)
+    except StorageError:
+        if staging.local is not None:
+            raise
     finally:
         if staging.local is not None:
             _release(staging.local)

@@ -9,7 +9,11 @@ Local paths go to TensorStore's file driver, which reads ``\\`` as a separator: 
 as are paths that are not valid UTF-8 and names longer than 255 bytes.
 
 S3 follows the standard AWS environment: credentials, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, and
-``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` for S3-compatible stores.
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` for S3-compatible stores. With ``AWS_ACCESS_KEY_ID`` set,
+the credentials are taken from the environment alone (``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``):
+TensorStore's default chain would also read ``~/.aws/config`` and ``~/.aws/credentials`` and log an error
+on stderr for each missing one, at every store opened. Without it, that chain finds them (a profile,
+the instance's role).
 
 Google Cloud Storage follows Google's client libraries: Application Default Credentials, and
 ``STORAGE_EMULATOR_HOST`` (``http://127.0.0.1:9023`` or ``127.0.0.1:9023``) for an emulator or
@@ -19,10 +23,17 @@ in its gcs spec: it reads ``TENSORSTORE_GCS_HTTP_URL`` when it opens a bucket an
 (``GOOGLE_AUTH_TOKEN_FOR_TESTING`` first). So with ``STORAGE_EMULATOR_HOST`` set, the first ``gs://``
 path sets ``TENSORSTORE_GCS_HTTP_URL`` to it (unless it is set already) and
 ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` to a placeholder token, which keeps a user's credentials away from
-the emulator and skips the credential search (which probes the GCE metadata server). One process talks to one GCS endpoint: a ``gs://`` path whose
-endpoint differs from the one the process already uses (``STORAGE_EMULATOR_HOST`` set, changed or
-unset after the first GCS request, or set to another URL than ``TENSORSTORE_GCS_HTTP_URL``) is a
-:class:`StorageError`, never a request to the wrong server.
+the emulator and skips the credential search (which probes the GCE metadata server). One process
+talks to one GCS endpoint: a ``gs://`` path whose endpoint differs from the one the process already
+uses (``STORAGE_EMULATOR_HOST`` set, changed or unset after the first GCS request, or set to another
+URL than ``TENSORSTORE_GCS_HTTP_URL``) is a :class:`StorageError`, never a request to the wrong server.
+
+A bucket's name is checked here, before any request, against the provider's rules (S3: 3 to 63
+lowercase letters, digits, dots and hyphens; GCS: also underscores, and up to 222 characters in
+dot-separated parts of at most 63): a name that no bucket can have is refused with the rule it breaks.
+
+How long a bucket operation may take, and how its requests are retried: :mod:`jaxckpt._kvstore`
+(``JAXCKPT_BUCKET_TIMEOUT``, ``JAXCKPT_BUCKET_RETRIES``).
 """
 
 from __future__ import annotations
@@ -120,8 +131,47 @@ def _bucket_and_path(rest: str, text: str) -> tuple[str, str]:
     bucket, _, path = rest.partition("/")
     if not bucket:
         raise ValueError(f"{text!r} names no bucket; write it as scheme://bucket/path.")
+    problem = bucket_name_problem(text.split("://", 1)[0], bucket)
+    if problem:
+        raise _bad_path(text, f"{bucket!r} cannot be a bucket's name: {problem}.")
     path = path.strip("/")
     return bucket, path + "/" if path else ""
+
+
+_IP_ADDRESS = re.compile(r"[0-9]{1,3}(\.[0-9]{1,3}){3}")
+
+
+def bucket_name_problem(scheme: str, bucket: str) -> str | None:
+    """Which naming rule of the provider ``bucket`` breaks (S3's for ``s3``, Google Cloud Storage's for
+    ``gs``), or None. S3-compatible stores follow S3's; the few S3 buckets named before 2018 with
+    capitals or underscores (us-east-1 allowed them) are refused too."""
+    gcs = scheme in ("gs", "gcs")
+    allowed = "lowercase letters, digits, dots, hyphens" + (" and underscores" if gcs else "")
+    if not re.fullmatch(r"[a-z0-9._-]+" if gcs else r"[a-z0-9.-]+", bucket):
+        return f"a bucket's name holds only {allowed}"
+    if gcs and "." in bucket:
+        if len(bucket) > 222:
+            return "a name with dots is at most 222 characters long"
+        long = [part for part in bucket.split(".") if len(part) > 63]
+        if long:
+            return (
+                f"each dot-separated part of a name is at most 63 characters long ({long[0][:20]}... is {len(long[0])})"
+            )
+        if len(bucket) < 3:
+            return "a name is 3 to 63 characters long"
+    elif not 3 <= len(bucket) <= 63:
+        return "a name is 3 to 63 characters long" + (" (or up to 222 with dots)" if gcs else "")
+    if not (bucket[0].isalnum() and bucket[-1].isalnum()):
+        return "a name must begin and end with a letter or digit"
+    if ".." in bucket:
+        return "a name has no two dots in a row"
+    if _IP_ADDRESS.fullmatch(bucket):
+        return "a name is not an IP address"
+    if gcs and bucket.startswith("goog"):
+        return 'a name does not begin with "goog"'
+    if gcs and "google" in bucket:
+        return 'a name does not contain "google"'
+    return None
 
 
 def location(path: str | os.PathLike[str] | Location) -> Location:
@@ -151,6 +201,8 @@ def location(path: str | os.PathLike[str] | Location) -> Location:
             spec["endpoint"] = endpoint
         if region:
             spec["aws_region"] = region
+        if os.environ.get("AWS_ACCESS_KEY_ID"):  # quiet: see the module's docstring
+            spec["aws_credentials"] = {"type": "environment"}
         return Location(text, kv=spec)
     if scheme in ("gs", "gcs"):
         bucket, key = _bucket_and_path(rest, text)

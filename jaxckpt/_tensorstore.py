@@ -27,6 +27,7 @@ import functools
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -37,10 +38,10 @@ from jaxckpt import _checksums, _kvstore, _zarr_local, _zarr_meta, _zarr_write
 from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, JaxckptError, StorageError
 from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray
 from jaxckpt._in_flight import WRITE_AHEAD_BYTES, InFlight, Pending
-from jaxckpt._kvstore import REFUSED, failure, status_code
 from jaxckpt._kvstore import (
     context as _context,
 )
+from jaxckpt._kvstore import failure, status_code
 from jaxckpt._tree import describe
 
 # Leaves up to this many bytes are packed; larger ones get a zarr3 array of their own.
@@ -254,25 +255,21 @@ class Writer:
         opens = [_create(self._base, path, metadata, self._context) for path, metadata, _ in planned]
         in_flight = InFlight(WRITE_AHEAD_BYTES)
         try:
-            for i, ((_, _, parts), future) in enumerate(zip(planned, opens)):
-                store = future.result()
+            for i, ((path, _, parts), future) in enumerate(zip(planned, opens)):
+                store = _Timed(future, 0, f"array {path!r} of the checkpoint's data", self._base, path + "/").result()
                 if isinstance(parts, _PackParts):  # its buffer made only now, within the bytes in flight
                     parts = parts.build()
                 planned[i] = (planned[i][0], planned[i][1], [])  # what is written is not held beyond its write
                 for index, data in parts:
-                    in_flight.add(data.nbytes, store[index].write(data, can_reference_source_data_indefinitely=True))
+                    write = store[index].write(data, can_reference_source_data_indefinitely=True)
+                    in_flight.add(
+                        data.nbytes, _Timed(write, data.nbytes, f"the data of array {path!r}", self._base, path + "/")
+                    )
             in_flight.drain()
         except BaseException as e:
-            # Let every started write settle before the caller removes the folder: one still running
-            # would create files in it again (a full disk fails some writes, not all at once).
-            started: list[Pending] = [*opens, *in_flight.pending()]
-            for op in started:
-                try:
-                    op.result()
-                except Exception:
-                    pass
+            _settle([_Timed(f, 0, "", self._base) for f in opens] + in_flight.pending(), cancel=_timed_out(e))
             if isinstance(e, Exception) and status_code(e) is not None:
-                raise _write_failure(e) from e
+                raise _write_failure(e, self._base) from e
             raise
 
 
@@ -282,9 +279,16 @@ class _Created(NamedTuple):
     metadata: Any  # the write of zarr.json
     store: Any  # the array
 
-    def result(self) -> ts.TensorStore:
-        self.metadata.result()
-        return self.store.result()
+    def result(self, timeout: float | None = None) -> ts.TensorStore:
+        """Both done within ``timeout`` seconds in all (TimeoutError past it, as a TensorStore future)."""
+        start = time.monotonic()
+        self.metadata.result(timeout=timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return self.store.result(timeout=left)
+
+    def cancel(self) -> None:
+        self.metadata.cancel()
+        self.store.cancel()
 
 
 def _create(base: dict[str, Any], path: str, metadata: dict[str, Any], context: ts.Context) -> _Created:
@@ -324,11 +328,47 @@ class _PackParts(NamedTuple):
         return [((slice(None),), buffer)]
 
 
-def _write_failure(error: Exception) -> JaxckptError:
-    if status_code(error) in REFUSED:
-        return failure("the checkpoint's data store for writing", error)
+class _Timed:
+    """A TensorStore operation with its deadline (:mod:`jaxckpt._kvstore`: the deadline of metadata
+    plus a second per MiB of ``nbytes``), counted from when it is waited for: operations are waited
+    for oldest first, so the time one spent queued behind others is not counted against it."""
+
+    def __init__(self, future: Any, nbytes: int, what: str, base: dict[str, Any], key: str = "") -> None:
+        self.future, self.nbytes, self.what, self.base, self.key = future, nbytes, what, base, key
+
+    def result(self) -> Any:
+        seconds = _kvstore.current().data_timeout(self.nbytes)
+        return _kvstore.result(self.future, self.what, self.base, self.key, seconds)
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+
+def _timed_out(error: BaseException) -> bool:
+    return isinstance(error, StorageError) and error.errno == errno.ETIMEDOUT
+
+
+def _settle(started: Sequence[Any], *, cancel: bool) -> None:
+    """Let every started write settle before the caller removes the folder: one still running would
+    create files in it again (a full disk fails some writes, not all at once). Each wait is bounded
+    by its deadline; once one is past it (or ``cancel``: the failure was a deadline), the rest are
+    cancelled instead, so that a store that stopped answering costs one deadline, not one per write.
+    (A request already sent may still land: such data, without an index, is never a checkpoint.)"""
+    for op in started:
+        if cancel:
+            op.cancel()
+        try:
+            op.result()
+        except Exception as e:
+            cancel = cancel or _timed_out(e)
+
+
+def _write_failure(error: Exception, base: dict[str, Any]) -> JaxckptError:
+    found = failure("the checkpoint's data store for writing", error, base)
+    if isinstance(found, StorageError):
+        return found
     # Anything else TensorStore reports while writing is not damage of a checkpoint (none exists yet).
-    return StorageError(f"Cannot write the checkpoint's data: {error}", errno.EIO)
+    return StorageError(f"Cannot write the checkpoint's data at {_kvstore.store_url(base)}: {error}", errno.EIO)
 
 
 def _name(key: str, path: str) -> str:
@@ -465,14 +505,14 @@ class Reader:
         stores = {}
         for (key, leaf, at), future, by_bits in zip(requests, futures, raw):
             try:
-                store = future.result()
+                store = _kvstore.result(future, _name(key, at.path), self._base, at.path + "/")
             except Exception as e:
-                raise failure(_name(key, at.path), e) from e
+                raise failure(_name(key, at.path), e, self._base, at.path + "/") from e
             stored = _raw(at.stored) if by_bits else at.stored
             _check_open(key, at.path, store, leaf.shape, stored, padded=self._sharded)
             opened = _Raw(store, _zarr_meta.numpy_dtype(at.stored)) if by_bits else store
             if at.path in crcs:
-                read_whole = functools.partial(_read_now, key, at.path, opened)
+                read_whole = functools.partial(_read_now, key, at.path, opened, self._base)
                 opened = _checksums.Bound(opened, crcs[at.path], leaf.shape, at.chunks or (), read_whole, set())
             stores[key] = opened
         return stores
@@ -503,7 +543,7 @@ class Reader:
         dtype = None
         if isinstance(store, _Raw):
             store, dtype = store.store, store.dtype
-        reads = [_read_into(key, path, store[region], dtype) for region in regions]
+        reads = [_read_into(key, path, store[region], dtype, self._base) for region in regions]
         if bound is None:
             return list(reads)  # list is invariant: Pending, not PendingRead
         name = _name(key, path)
@@ -525,11 +565,12 @@ class Reader:
             # Format 4 on: opened as the index says, its zarr.json not read (one request less on a
             # bucket): every leaf read from a pack is checked against its CRC in the index, so a pack
             # laid out otherwise than the index says is an error, never another leaf's bytes.
-            store = self._open(path, metadata, assume=self._sharded and not self.check_zarr_json).result()
+            assume = self._sharded and not self.check_zarr_json
+            store = _kvstore.result(self._open(path, metadata, assume=assume), _name("", path), self._base, path + "/")
         except Exception as e:
-            raise failure(_name("", path), e) from e
+            raise failure(_name("", path), e, self._base, path + "/") from e
         _check_open("", path, store, [nbytes], "uint8", padded=self._sharded)
-        return [_read_into("", path, store[a:b]) for a, b in spans]
+        return [_read_into("", path, store[a:b], base=self._base) for a, b in spans]
 
 
 aligned_empty = _zarr_local.aligned_empty
@@ -543,13 +584,16 @@ class PendingRead(NamedTuple):
     path: str
     copy: ts.WriteFutures  # TensorStore's copy of the stored data into ``buffer``
     buffer: np.ndarray
+    base: dict[str, Any] | None = None  # the data store's kvstore, to name it by its URL
 
     def result(self) -> np.ndarray:
-        """The data, once read; a failure as jaxckpt's error (see :func:`failure`)."""
+        """The data, once read (within the deadline of its bytes, see :mod:`jaxckpt._kvstore`); a
+        failure as jaxckpt's error (see :func:`failure`)."""
+        name, key = _name(self.key, self.path), self.path + "/"
         try:
-            self.copy.result()
+            _kvstore.result(self.copy, name, self.base, key, _kvstore.current().data_timeout(self.buffer.nbytes))
         except Exception as e:
-            raise failure(_name(self.key, self.path), e) from e
+            raise failure(name, e, self.base, key) from e
         return self.buffer
 
 
@@ -560,14 +604,16 @@ class _Raw(NamedTuple):
     dtype: np.dtype
 
 
-def _read_now(key: str, path: str, store: Any, box: tuple[slice, ...]) -> np.ndarray:
+def _read_now(key: str, path: str, store: Any, base: dict[str, Any] | None, box: tuple[slice, ...]) -> np.ndarray:
     """A box of an opened array (raw bits viewed as their type), read at once."""
     if isinstance(store, _Raw):
-        return _read_into(key, path, store.store[box], store.dtype).result()
-    return _read_into(key, path, store[box]).result()
+        return _read_into(key, path, store.store[box], store.dtype, base).result()
+    return _read_into(key, path, store[box], base=base).result()
 
 
-def _read_into(key: str, path: str, source: ts.TensorStore, dtype: np.dtype | None = None) -> PendingRead:
+def _read_into(
+    key: str, path: str, source: ts.TensorStore, dtype: np.dtype | None = None, base: dict[str, Any] | None = None
+) -> PendingRead:
     buffer = aligned_empty(source.shape, source.dtype.numpy_dtype)
     view = buffer if dtype is None else buffer.view(dtype)  # the same bytes, of the stored type
-    return PendingRead(key, path, ts.array(buffer).write(source), view)
+    return PendingRead(key, path, ts.array(buffer).write(source), view, base)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jaxckpt import _kvstore
 from jaxckpt._errors import CheckpointFormatError
 from jaxckpt._tensorstore import aligned_empty, failure, status_code
 
@@ -31,6 +32,7 @@ def _foreign_context() -> ts.Context:
             {
                 "cache_pool": {"total_bytes_limit": 0},
                 _FOREIGN_INDEX_CACHE: {"total_bytes_limit": _FOREIGN_INDEX_CACHE_BYTES},
+                **_kvstore.current().retry_resources(),  # buckets: jaxckpt's retries and deadlines
             }
         )
     return _FOREIGN_CONTEXT
@@ -50,17 +52,18 @@ def read_foreign_files(base: dict[str, Any], requests: Sequence[tuple[str, str]]
     once; one over ``limit`` bytes is refused with CheckpointFormatError naming its ``what``. Only the
     byte past the limit is fetched before that is known, so a crafted huge file costs nothing."""
     try:
-        store = ts.KvStore.open(base, context=_foreign_context()).result()
+        what = requests[0][1] if requests else "a data store"
+        store = _kvstore.result(ts.KvStore.open(base, context=_foreign_context()), what, base)
     except Exception as e:
-        raise failure(requests[0][1] if requests else "a data store", e) from e
+        raise failure(what, e, base) from e
     probes = [store.read(key, byte_range=slice(limit, limit + 1)) for key, _ in requests]
     present = []
     for (_, what), probe in zip(requests, probes):
         try:
-            beyond = probe.result()
+            beyond = _kvstore.result(probe, what, base)
         except Exception as e:
             if status_code(e) != "OUT_OF_RANGE":  # OUT_OF_RANGE: shorter than the limit
-                raise failure(what, e) from e
+                raise failure(what, e, base) from e
         else:
             if beyond.state == "missing":
                 present.append(False)
@@ -72,9 +75,10 @@ def read_foreign_files(base: dict[str, Any], requests: Sequence[tuple[str, str]]
     out: list[bytes | None] = []
     for (_, what), read in zip(requests, reads):
         try:
-            result = read.result() if read is not None else None
+            seconds = _kvstore.current().data_timeout(limit)
+            result = _kvstore.result(read, what, base, seconds=seconds) if read is not None else None
         except Exception as e:
-            raise failure(what, e) from e
+            raise failure(what, e, base) from e
         out.append(bytes(result.value) if result is not None and result.state == "value" else None)
     return out
 
@@ -82,7 +86,7 @@ def read_foreign_files(base: dict[str, Any], requests: Sequence[tuple[str, str]]
 def open_foreign_array(spec: dict[str, Any], what: str) -> ts.TensorStore:
     """Open (never create) the array of ``spec``; its metadata must match the constraints in it."""
     try:
-        return ts.open(spec, open=True, context=_foreign_context()).result()
+        return _kvstore.result(ts.open(spec, open=True, context=_foreign_context()), what, None)
     except Exception as e:
         raise failure(what, e) from e
 
@@ -92,7 +96,8 @@ def read_foreign(store: ts.TensorStore, dtype: np.dtype, what: str) -> np.ndarra
     store's: ml_dtypes' ``bfloat16`` for its ``bfloat16``, which ``store.dtype.numpy_dtype`` is not)."""
     buffer = aligned_empty(store.shape, dtype)
     try:
-        ts.array(buffer).write(store).result()
+        seconds = _kvstore.current().data_timeout(buffer.nbytes)
+        _kvstore.result(ts.array(buffer).write(store), what, None, seconds=seconds)
     except Exception as e:
         raise failure(what, e) from e
     return buffer

@@ -274,7 +274,7 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
             def __init__(self, path):
                 self.path = path
 
-            def result(self):
+            def result(self, timeout=None):  # as a TensorStore future's (jaxckpt waits with a deadline)
                 raise ValueError(f'PERMISSION_DENIED: Error opening "{self.path}": Permission denied')
 
         real_open_store = _tensorstore.Reader._open
