@@ -107,7 +107,7 @@ def _assert_same(restored: dict[str, object], tree: dict[str, object]) -> None:
 @pytest.mark.parametrize("fault", [503, 429, "reset"])
 def test_transient_faults_are_retried_and_checkpoints_stay_whole(through_proxy, proxy, fault):
     tree = _tree()
-    proxy.faults = every(4, fault)  # a quarter of all requests, during save and restore
+    proxy.faults = every(3, fault)  # a third of all requests, during save and restore
     path = jaxckpt.save(f"{through_proxy}/c", tree)
     _assert_same(jaxckpt.restore(path), tree)
     assert len(proxy.faulted) >= 3, proxy.requests  # the faults did happen
