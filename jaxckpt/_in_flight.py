@@ -12,7 +12,7 @@ READ_AHEAD_BYTES = 256 << 20
 
 
 class Pending(Protocol):
-    """An operation started: a TensorStore future, or a read (:class:`jaxckpt._tensorstore.PendingRead`)."""
+    """An operation started: a TensorStore future, or a read (:class:`jaxckpt._tensorstore_read.PendingRead`)."""
 
     def result(self) -> Any: ...
 

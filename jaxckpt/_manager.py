@@ -22,32 +22,32 @@ snapshot went well, and all raise together if one did not, so that the next save
 
 from __future__ import annotations
 
-import copy
 import operator
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxckpt import _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _statefile, _storage
+from jaxckpt import _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError
 from jaxckpt._lock import LOCK_FILE
 from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics
+from jaxckpt._manager_orbax import OrbaxCalls
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 from jaxckpt._preemption import PreemptionHandler, PreemptionSaves
 from jaxckpt._restore import RestoreStatus
+from jaxckpt._retention import RetentionCalls
 from jaxckpt._statefile import STATE_FILE, latest_checkpoint
 from jaxckpt._tree import PathLike
 
 __all__ = ["LOCK_FILE", "STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
 
-class CheckpointManager(PreemptionSaves):
+class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
     """Numbered checkpoints of one :class:`Checkpoint` in ``directory``, with retention and a state file.
 
     ::
@@ -376,37 +376,6 @@ class CheckpointManager(PreemptionSaves):
 
     # --- the Orbax-style surface: checkpoints by step ---------------------------------------------
 
-    def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past
-        the latest checkpoint's step, and divisible by ``save_interval_steps`` (any step without one)
-        or a preemption notice asks for a save at this step. (Orbax's says True at a notice even for
-        a step already saved, whose save it then refuses; here neither saves it again.)"""
-        self._background.settle()
-        return self._due(operator.index(step))
-
-    def _due(self, step: int) -> bool:
-        """:meth:`should_save`'s answer, which :meth:`save` follows (a preemption notice included)."""
-        preempted = self._preemption is not None and self._preemption.reached_preemption(step)
-        return self._options.due(step, self._infos, preempted)
-
-    def metadata(self) -> dict[str, Any]:
-        """The run's metadata: what the directory's first manager given ``metadata={...}`` recorded
-        (Orbax's rule: written once; see :mod:`jaxckpt._run_metadata`), else what this manager was
-        given (a read-only one never writes), else ``{}``. A copy: changing it changes nothing."""
-        if self._metadata is None:
-            self._metadata = _run_metadata.start(self._path, self._given_metadata, write=False)
-        return copy.deepcopy(self._metadata)
-
-    def all_steps(self) -> list[int]:
-        """The steps of the kept checkpoints, oldest first (waits as ``latest_checkpoint``)."""
-        self._background.settle()
-        return [c.step for c in self._infos]
-
-    def latest_step(self) -> int | None:
-        """The step of the latest checkpoint, or None (waits as ``latest_checkpoint``)."""
-        self._background.settle()
-        return self._infos[-1].step if self._infos else None
-
     def restore(self, step: int | None = None) -> RestoreStatus:
         """Restore the checkpoint of ``step`` (the latest without one) into :attr:`checkpoint`; returns
         the restore status, as :meth:`Checkpoint.restore` does. Raises CheckpointNotFoundError, naming
@@ -425,22 +394,6 @@ class CheckpointManager(PreemptionSaves):
         status = self._checkpoint.restore(matches[-1].path)
         self._restored()
         return status
-
-    def reload(self) -> None:
-        """Read the state file (and the run metadata) again, as Orbax's ``reload``: for a manager that
-        follows another one's directory, an evaluator's ``read_only=True`` manager beside a live
-        trainer, :meth:`all_steps`, :meth:`latest_step` and the checkpoint lists then include the
-        steps saved since, and drop those deleted since. :meth:`restore` of a step this read-only
-        manager does not know reloads by itself. A manager that writes lists what it wrote: for it,
-        this only waits for its background save."""
-        self._background.wait()
-        if self._options.read_only:
-            state = _statefile.read_full_state(self._directory)
-            self._infos = state[0] if state is not None else []
-        if self._metadata is not None:
-            recorded = _run_metadata.read(self._path)
-            if recorded is not None:
-                self._metadata = recorded
 
     def _restored(self) -> None:
         """As TF's restore_or_initialize: the interval counts from the restored step."""
@@ -484,32 +437,6 @@ class CheckpointManager(PreemptionSaves):
         if self._primary and not self._own_copy:
             _multihost.forget_kept(token)  # every process has it: keep the key-value store small
 
-    def _retain(self, candidates: list[CheckpointInfo]) -> _retention.Retained:
-        opts = self._options
-        return _retention.retain(candidates, opts.policy, opts.hours, self._last_preserved, self._also_keep)
-
-    def _keep_only(self, kept: list[CheckpointInfo]) -> None:
-        """Primary: list only ``kept`` of the listed checkpoints, then delete the others (as retention)."""
-        with self._retention_lock:
-            old = list(self._infos)
-            if kept == old or self._options.read_only or not self._release.alive:
-                return
-            dropped = _retention.dropped_names(old, kept)
-            for name in dropped:
-                _retention.mark_dropped(self._path / name)
-            _statefile.write_state(self._path, kept, self._last_preserved)
-            self._infos = kept
-        self._deleter.delete(dropped)
-
-    def _reapply_retention(self) -> None:
-        """Apply retention again to what is listed: ``_also_keep`` kept a checkpoint that it lets go now."""
-        with self._retention_lock:
-            if not self._infos:
-                return
-            kept = self._retain(list(self._infos)).kept
-            # Only drops: a checkpoint that the hours rule would preserve now is left to the next save.
-            self._keep_only([c for c in self._infos if any(k.path == c.path for k in kept)])
-
     def wait_until_finished(self) -> None:
         """Block until the background save is done and recorded, and the checkpoints that retention
         dropped are deleted; raise the save's error if it failed, else a deletion's."""
@@ -518,17 +445,6 @@ class CheckpointManager(PreemptionSaves):
         finally:
             self._deleter.wait()
         self._raise_failed_deletes()
-
-    def _warn_failed_deletes(self) -> None:
-        """A deletion that failed is garbage the next manager removes: said, and saving goes on."""
-        error = self._deleter.failures()
-        if error is not None:
-            warnings.warn(str(error), stacklevel=4)
-
-    def _raise_failed_deletes(self) -> None:
-        error = self._deleter.failures()
-        if error is not None:
-            raise error
 
     # --- lifetime ----------------------------------------------------------------------------------
 

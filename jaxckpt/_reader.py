@@ -20,7 +20,7 @@ import crc32c
 import jax
 import numpy as np
 
-from jaxckpt import _format, _formats, _local_tree, _storage, _tensorstore, _zarr_local
+from jaxckpt import _format, _formats, _local_tree, _storage, _tensorstore_read, _zarr_local
 from jaxckpt._checksums import StoreChecksums, checksums_limit
 from jaxckpt._errors import (
     CheckpointCorruptedError,
@@ -108,11 +108,11 @@ class Opened:
         else:
             self._pinned, raw = self._pin_and_read_index()
         self.index: Index = decode_index(raw, where)
-        self._readers: dict[str, _tensorstore.Reader] = {}
+        self._readers: dict[str, _tensorstore_read.Reader] = {}
         self._checksums: dict[str, StoreChecksums] = {}
         self._checksums_limit: int | None = None
         self._stored_bytes: dict[str, int] = {}  # per data store, for _check_backed
-        self.check_zarr_json = False  # see _tensorstore.Reader.check_zarr_json; set before any read
+        self.check_zarr_json = False  # see _tensorstore_read.Reader.check_zarr_json; set before any read
 
     def _pin_and_read_index(self) -> tuple[_zarr_local.PinnedFolder | None, bytes]:
         """The folder held open, and its index. Opened just as an overwriting save swapped it out, the
@@ -365,12 +365,12 @@ class Opened:
             return _storage.Location(str(self.location / store), local=Path(f"/proc/self/fd/{pinned.fd}", store))
         return self.location / store
 
-    def _reader_of(self, store: str) -> _tensorstore.Reader:
+    def _reader_of(self, store: str) -> _tensorstore_read.Reader:
         if store not in self._readers:
             checksums = None if self.index.save is None else functools.partial(self._checksums_of, store)
             pinned = None if self._pinned is None else (self._pinned, store)
             spec = (self.location / store).spec()
-            self._readers[store] = _tensorstore.Reader(
+            self._readers[store] = _tensorstore_read.Reader(
                 spec, version=self.index.version, pinned=pinned, checksums=checksums
             )
             self._readers[store].check_zarr_json = self.check_zarr_json

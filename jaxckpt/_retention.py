@@ -18,15 +18,20 @@ import dataclasses
 import os
 import secrets
 import threading
+import warnings
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from jaxckpt import _kvstore, _local_tree, _multihost, _staging, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._errors import JaxckptError, StorageError
 from jaxckpt._format import INDEX_FILE
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
+
+if TYPE_CHECKING:
+    from jaxckpt._manager_options import ManagerOptions
 
 
 class Retained(NamedTuple):
@@ -276,3 +281,54 @@ def _delete_rest(path: _storage.Location) -> None:
 
 def _delete_renamed(hidden: Path) -> None:
     _local_tree.rmtree(hidden)  # raises, unlike the best-effort clean-ups: a failure is reported
+
+
+class RetentionCalls:
+    """:class:`~jaxckpt.CheckpointManager`'s retention after a save, and its deletions' failures."""
+
+    # What the manager has that these calls use.
+    _options: ManagerOptions
+    _infos: list[CheckpointInfo]
+    _path: _storage.Location
+    _last_preserved: float
+    _also_keep: set[str]
+    _retention_lock: threading.RLock
+    _deleter: Deleter
+    _release: weakref.finalize
+
+    def _retain(self, candidates: list[CheckpointInfo]) -> Retained:
+        opts = self._options
+        return retain(candidates, opts.policy, opts.hours, self._last_preserved, self._also_keep)
+
+    def _keep_only(self, kept: list[CheckpointInfo]) -> None:
+        """Primary: list only ``kept`` of the listed checkpoints, then delete the others (as retention)."""
+        with self._retention_lock:
+            old = list(self._infos)
+            if kept == old or self._options.read_only or not self._release.alive:
+                return
+            dropped = dropped_names(old, kept)
+            for name in dropped:
+                mark_dropped(self._path / name)
+            _statefile.write_state(self._path, kept, self._last_preserved)
+            self._infos = kept
+        self._deleter.delete(dropped)
+
+    def _reapply_retention(self) -> None:
+        """Apply retention again to what is listed: ``_also_keep`` kept a checkpoint that it lets go now."""
+        with self._retention_lock:
+            if not self._infos:
+                return
+            kept = self._retain(list(self._infos)).kept
+            # Only drops: a checkpoint that the hours rule would preserve now is left to the next save.
+            self._keep_only([c for c in self._infos if any(k.path == c.path for k in kept)])
+
+    def _warn_failed_deletes(self) -> None:
+        """A deletion that failed is garbage the next manager removes: said, and saving goes on."""
+        error = self._deleter.failures()
+        if error is not None:
+            warnings.warn(str(error), stacklevel=4)
+
+    def _raise_failed_deletes(self) -> None:
+        error = self._deleter.failures()
+        if error is not None:
+            raise error

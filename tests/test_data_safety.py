@@ -17,7 +17,7 @@ import pytest
 import tensorstore as ts
 
 import jaxckpt
-from jaxckpt import _cli, _local_files, _save, _scan, _tensorstore, _verify, _zarr_local
+from jaxckpt import _cli, _local_files, _save, _scan, _tensorstore, _tensorstore_read, _verify, _zarr_local
 from jaxckpt._checked_json import checksummed_json
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -277,12 +277,12 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
             def result(self, timeout=None):  # as a TensorStore future's (jaxckpt waits with a deadline)
                 raise ValueError(f'PERMISSION_DENIED: Error opening "{self.path}": Permission denied')
 
-        real_open_store = _tensorstore.Reader._open
+        real_open_store = _tensorstore_read.Reader._open
 
         def refuse(self, path, metadata, **options):  # the array of 'big' only; the pack reads
             return Refused(path) if path == "a/0" else real_open_store(self, path, metadata, **options)
 
-        monkeypatch.setattr(_tensorstore.Reader, "_open", refuse)
+        monkeypatch.setattr(_tensorstore_read.Reader, "_open", refuse)
     else:  # format version 4 on a local disk: jaxckpt opens the files itself (as root, chmod refuses nothing)
         (path, _), key = _chunked(tmp_path), "w"
         target = str(path / "data" / "a" / "0" / ("zarr.json" if refused == "zarr.json" else "c"))

@@ -1,0 +1,76 @@
+"""The calls that Orbax's ``CheckpointManager`` users write, on :class:`~jaxckpt.CheckpointManager`:
+``should_save``, ``all_steps``, ``latest_step``, ``metadata`` (the run's, see
+:mod:`jaxckpt._run_metadata`) and ``reload`` (an evaluator following a trainer)."""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any
+
+from jaxckpt import _run_metadata, _statefile, _storage
+from jaxckpt._async import Background
+from jaxckpt._manager_options import ManagerOptions
+from jaxckpt._policies import CheckpointInfo
+from jaxckpt._preemption import PreemptionHandler
+
+
+class OrbaxCalls:
+    """:class:`~jaxckpt.CheckpointManager`'s Orbax-named calls."""
+
+    # What the manager has that these calls use.
+    _preemption: PreemptionHandler | None
+    _options: ManagerOptions
+    _background: Background
+    _infos: list[CheckpointInfo]
+    _path: _storage.Location
+    _directory: str
+    _metadata: dict[str, Any] | None
+    _given_metadata: dict[str, Any] | None
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past
+        the latest checkpoint's step, and divisible by ``save_interval_steps`` (any step without one)
+        or a preemption notice asks for a save at this step. (Orbax's says True at a notice even for
+        a step already saved, whose save it then refuses; here neither saves it again.)"""
+        self._background.settle()
+        return self._due(operator.index(step))
+
+    def _due(self, step: int) -> bool:
+        """:meth:`should_save`'s answer, which :meth:`save` follows (a preemption notice included)."""
+        preempted = self._preemption is not None and self._preemption.reached_preemption(step)
+        return self._options.due(step, self._infos, preempted)
+
+    def metadata(self) -> dict[str, Any]:
+        """The run's metadata: what the directory's first manager given ``metadata={...}`` recorded
+        (Orbax's rule: written once; see :mod:`jaxckpt._run_metadata`), else what this manager was
+        given (a read-only one never writes), else ``{}``. A copy: changing it changes nothing."""
+        if self._metadata is None:
+            self._metadata = _run_metadata.start(self._path, self._given_metadata, write=False)
+        return copy.deepcopy(self._metadata)
+
+    def all_steps(self) -> list[int]:
+        """The steps of the kept checkpoints, oldest first (waits as ``latest_checkpoint``)."""
+        self._background.settle()
+        return [c.step for c in self._infos]
+
+    def latest_step(self) -> int | None:
+        """The step of the latest checkpoint, or None (waits as ``latest_checkpoint``)."""
+        self._background.settle()
+        return self._infos[-1].step if self._infos else None
+
+    def reload(self) -> None:
+        """Read the state file (and the run metadata) again, as Orbax's ``reload``: for a manager that
+        follows another one's directory, an evaluator's ``read_only=True`` manager beside a live
+        trainer, :meth:`all_steps`, :meth:`latest_step` and the checkpoint lists then include the
+        steps saved since, and drop those deleted since. :meth:`restore` of a step this read-only
+        manager does not know reloads by itself. A manager that writes lists what it wrote: for it,
+        this only waits for its background save."""
+        self._background.wait()
+        if self._options.read_only:
+            state = _statefile.read_full_state(self._directory)
+            self._infos = state[0] if state is not None else []
+        if self._metadata is not None:
+            recorded = _run_metadata.read(self._path)
+            if recorded is not None:
+                self._metadata = recorded
