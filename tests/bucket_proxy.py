@@ -29,6 +29,7 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encodin
 
 class BucketProxy:
     def __init__(self, upstream: str, faults: Callable[[str, str], Fault] | None = None) -> None:
+        self.upstream = upstream
         target = urllib.parse.urlsplit(upstream)
         self.upstream_host = target.hostname or "127.0.0.1"
         self.upstream_port = target.port or 80
@@ -37,7 +38,8 @@ class BucketProxy:
         self.faulted: list[tuple[str, str, Fault]] = []
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _handler(self))
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # A short poll: close() waits for the serving loop to see the request to stop.
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
 
     @property
@@ -82,6 +84,10 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
 def _handler(proxy: BucketProxy) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # An answer's headers and body go out in two writes: with Nagle's algorithm, the body of each
+        # answer on a kept-alive connection would wait for the client's delayed ACK (40 ms).
+        disable_nagle_algorithm = True
+        upstream: http.client.HTTPConnection | None = None
 
         def log_message(self, format: str, *args: object) -> None:  # quiet
             pass
@@ -102,14 +108,8 @@ def _handler(proxy: BucketProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 self.end_headers()
                 self.wfile.write(message)
                 return
-            upstream = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=120)
-            try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
-                upstream.request(self.command, self.path, body=body, headers=headers)
-                response = upstream.getresponse()
-                data = response.read()
-            finally:
-                upstream.close()
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+            response, data = self._upstream_exchange(body, headers)
             self.send_response(response.status, response.reason)
             head = self.command == "HEAD"  # its Content-Length is the object's, with no body
             for key, value in response.getheaders():
@@ -120,6 +120,39 @@ def _handler(proxy: BucketProxy) -> type[http.server.BaseHTTPRequestHandler]:
             self.end_headers()
             if not head:
                 self.wfile.write(data)
+
+        def _upstream_exchange(self, body: bytes, headers: dict[str, str]) -> tuple[http.client.HTTPResponse, bytes]:
+            """Forward this request on this connection's own upstream connection, kept alive from one
+            request to the next (a connection per request would cost the server a thread each)."""
+            reused = self.upstream is not None
+            if self.upstream is None:
+                self.upstream = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=120)
+                self.upstream.connect()
+                # http.client sends a request's headers and body in two writes: the same wait, upstream.
+                self.upstream.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                self.upstream.request(self.command, self.path, body=body, headers=headers)
+                response = self.upstream.getresponse()
+                data = response.read()
+            except (ConnectionError, http.client.BadStatusLine):
+                self._close_upstream()
+                if not reused:
+                    raise
+                return self._upstream_exchange(body, headers)  # the server closed it while idle: once more
+            if response.will_close:
+                self._close_upstream()
+            return response, data
+
+        def _close_upstream(self) -> None:
+            if self.upstream is not None:
+                self.upstream.close()
+                self.upstream = None
+
+        def finish(self) -> None:
+            try:
+                super().finish()
+            finally:
+                self._close_upstream()
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _forward
 

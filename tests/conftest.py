@@ -10,6 +10,7 @@ import gcs_server as gcs_emulator
 import jax
 import moto_server
 import pytest
+from bucket_proxy import BucketProxy
 
 jax.config.update("jax_enable_x64", False)
 
@@ -75,12 +76,28 @@ def s3(s3_server, monkeypatch, request):
 
 
 @pytest.fixture(scope="session")
-def gcs_server():
-    """A GCS emulator on loopback, started once per test process, stopped at the end. Its
-    ``STORAGE_EMULATOR_HOST`` is set for the whole session, not per test: TensorStore keeps the first
-    GCS endpoint of a process (see jaxckpt._storage)."""
+def gcs_session_proxy():
+    """A GCS emulator on loopback behind a :class:`bucket_proxy.BucketProxy` (recording, and faulting
+    on demand), both started once per test process, stopped at the end. Every gs:// request of the
+    process goes through this proxy: TensorStore keeps the first GCS endpoint of a process (see
+    jaxckpt._storage), so a test cannot put a proxy of its own in front of the emulator. Its
+    ``upstream`` is the emulator itself, for subprocesses (which may use any endpoint)."""
     pytest.importorskip("gcp_storage_emulator")
     proc, env = gcs_emulator.start(BUCKET)
+    try:
+        with BucketProxy(env["STORAGE_EMULATOR_HOST"]) as proxy:
+            yield proxy
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def gcs_server(gcs_session_proxy):
+    """The environment that points jaxckpt at the GCS emulator (through the session's proxy), set in
+    ``os.environ`` for the whole session, not per test: TensorStore keeps the first GCS endpoint of a
+    process (see jaxckpt._storage)."""
+    env = {"STORAGE_EMULATOR_HOST": gcs_session_proxy.endpoint}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield env
@@ -89,8 +106,17 @@ def gcs_server():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    proc.terminate()
-    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def gcs_proxy(gcs_server, gcs_session_proxy):
+    """The session's proxy in front of the GCS emulator, with no records and no faults before and after
+    this test (a failing test leaves no faults to the next)."""
+    gcs_session_proxy.faults = None
+    gcs_session_proxy.clear()
+    yield gcs_session_proxy
+    gcs_session_proxy.faults = None
+    gcs_session_proxy.clear()
 
 
 @pytest.fixture(params=["s3", "gs"])
@@ -102,6 +128,6 @@ def bucket(request, monkeypatch):
         for k, v in request.getfixturevalue("s3_server").items():
             monkeypatch.setenv(k, v)
     else:
-        request.getfixturevalue("gcs_server")
+        request.getfixturevalue("gcs_proxy")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")
     return f"{request.param}://{BUCKET}/{name}"

@@ -16,6 +16,8 @@ reads garbage:
 - the preconditions ``ifGenerationMatch``/``ifGenerationNotMatch`` are ignored on uploads, reads
   and deletes (TensorStore's conditional writes, ``ifGenerationMatch=0``: create only if absent);
 - a download carries no ``x-goog-generation`` header, where TensorStore reads a range's generation;
+- a request to a bucket that does not exist is answered 404 with no body, where GCS says "The specified
+  bucket does not exist." (TensorStore failed to parse the empty listing: INTERNAL, not a missing bucket);
 - every write serializes the metadata of every object to an in-memory JSON file nobody reads
   (quadratic over a test session), and deleted objects are kept 7 days (soft delete).
 
@@ -194,6 +196,19 @@ def _patch_emulator() -> None:
         listing["prefixes"] = [p for p in listing["prefixes"] if within(p)]
         response.json(listing)
 
+    def bucket_checked(handle: Any) -> Any:
+        @functools.wraps(handle)
+        def checked(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> None:
+            if request.params.get("bucket_name") not in storage.buckets:
+                response.status = HTTPStatus.NOT_FOUND
+                error = {"code": 404, "message": "The specified bucket does not exist."}
+                response.json({"error": {**error, "errors": [{**error, "domain": "global", "reason": "notFound"}]}})
+                return None
+            return handle(request, response, storage, *args, **kwargs)
+
+        return checked
+
+    get, download, insert, delete, ls = map(bucket_checked, (get, download, insert, delete, ls))
     replaced = {original_get: get, objects.download: download, original_insert: insert, original_delete: delete}
     replaced |= {original_ls: ls}
     for name, fn in (("get", get), ("download", download), ("insert", insert), ("delete", delete), ("ls", ls)):

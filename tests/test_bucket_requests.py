@@ -12,7 +12,7 @@ fetch no more than a limit in one request: a ranged read past an object's end is
 (OUT_OF_RANGE), suffix ranges alike, and its listings carry no sizes. So "read once" is two
 requests for those, counted as such below.
 
-Parametrized over the servers in :data:`SERVERS` (moto for ``s3://``); another scheme adds its row.
+Parametrized over the servers in :data:`SERVERS` (moto for ``s3://``, the GCS emulator for ``gs://``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ import jaxckpt
 from jaxckpt import _cli, _storage, _tensorstore
 
 # scheme -> (the conftest fixture that starts its server and gives its environment, the variable
-# in that environment that names the endpoint, which the proxy takes the place of)
-SERVERS = {"s3": ("s3_server", "AWS_ENDPOINT_URL")}
+# in that environment that names the endpoint, which a proxy of the test's own takes the place of);
+# None: this process reaches the server through the session's proxy, that fixture (TensorStore keeps
+# one GCS endpoint per process).
+SERVERS = {"s3": ("s3_server", "AWS_ENDPOINT_URL"), "gs": ("gcs_proxy", None)}
 
 BOUNDED_READ = 2  # requests for one bounded read of a small file that is there (see above)
 DATA = re.compile(r"data(\.p[0-9]+)?/[ap]/[0-9]+/c(/[0-9]+)*")  # a data object's key (a shard, a pack)
@@ -67,13 +69,16 @@ def _request(scheme: str, method: str, path: str, prefix: str) -> tuple[str, str
         if method == "GET" and "list-type" in query:
             return "LIST", query.get("prefix", [""])[0].removeprefix(prefix)
         key = urllib.parse.unquote(where.path).removeprefix(f"/{BUCKET}/")
-    elif scheme == "gs":  # the JSON API, as TensorStore's gcs driver speaks it (not run until a gs server is added)
-        if where.path.startswith("/upload/"):
+    elif scheme == "gs":  # the JSON API, as TensorStore's gcs driver speaks it
+        if where.path == f"/upload/storage/v1/b/{BUCKET}/o":  # ?uploadType=media&name=KEY
             method, key = "PUT", query["name"][0]
-        elif "/o/" not in where.path:
-            return "LIST", query.get("prefix", [""])[0].removeprefix(prefix)
-        else:
-            key = urllib.parse.unquote(where.path.split("/o/", 1)[1])
+        elif where.path == f"/storage/v1/b/{BUCKET}/o":
+            # A listing by key range (startOffset=P&endOffset=P0, its end the prefix's successor), with
+            # no prefix: what it lists is the range's start.
+            assert method == "GET", (method, path)
+            return "LIST", query.get("prefix", query.get("startOffset", [""]))[0].removeprefix(prefix)
+        else:  # /storage/v1/b/BUCKET/o/KEY (quoted), read with ?alt=media
+            key = urllib.parse.unquote(where.path.removeprefix(f"/storage/v1/b/{BUCKET}/o/"))
             if method == "GET" and query.get("alt") != ["media"]:
                 method = "HEAD"  # the object's metadata, not its bytes
     else:
@@ -84,15 +89,18 @@ def _request(scheme: str, method: str, path: str, prefix: str) -> tuple[str, str
 
 @pytest.fixture(params=sorted(SERVERS))
 def bucket(request, monkeypatch):
-    """A recording proxy in front of the session's server for the scheme, and this test's prefix there."""
+    """A recording proxy in front of the server for the scheme, and this test's prefix there."""
     scheme = request.param
     fixture, endpoint_variable = SERVERS[scheme]
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)
+    if endpoint_variable is None:  # the session's proxy, its environment set for the session
+        yield Bucket(scheme, f"{scheme}://{BUCKET}/{name}", f"{name}/", request.getfixturevalue(fixture))
+        return
     env = request.getfixturevalue(fixture)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     proxy = BucketProxy(env[endpoint_variable])
     monkeypatch.setenv(endpoint_variable, proxy.endpoint)
-    name = re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)
     try:
         yield Bucket(scheme, f"{scheme}://{BUCKET}/{name}", f"{name}/", proxy)
     finally:
