@@ -40,10 +40,10 @@ import re
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from http import HTTPStatus
 from typing import Any
+
+from moto_server import wait_until_answering
 
 
 def start(bucket: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
@@ -62,15 +62,7 @@ def start(bucket: str) -> tuple[subprocess.Popen[str], dict[str, str]]:
         proc.kill()
         raise RuntimeError(f"the GCS emulator did not start (it printed {line!r})")
     endpoint = f"http://127.0.0.1:{int(line)}"
-    deadline = time.monotonic() + 60
-    while True:  # a readiness check (it already listens), not a sleep to wait for work
-        try:
-            urllib.request.urlopen(f"{endpoint}/storage/v1/b/{bucket}", timeout=1)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the GCS emulator did not answer") from None
+    wait_until_answering(proc, f"{endpoint}/storage/v1/b/{bucket}", "the GCS emulator did not answer")
     return proc, {"STORAGE_EMULATOR_HOST": endpoint}
 
 

@@ -8,12 +8,27 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_until_answering(proc: subprocess.Popen[Any], url: str, failure: str) -> None:
+    """Poll ``url`` until the server ``proc`` answers it (a readiness check, not a sleep to wait for
+    work); kill it and raise RuntimeError(``failure``) if it exits or a minute passes first."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(failure) from None
 
 
 def start(bucket: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
@@ -26,15 +41,7 @@ def start(bucket: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
         stderr=subprocess.DEVNULL,
     )
     endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:  # poll until it answers (a readiness check, not a sleep to wait for work)
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("the moto S3 server did not start") from None
+    wait_until_answering(proc, f"{endpoint}/moto-api/", "the moto S3 server did not start")
     urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{bucket}", method="PUT"), timeout=10)
     env = {
         "AWS_ACCESS_KEY_ID": "test",
