@@ -33,7 +33,7 @@ from typing import Any
 from jaxckpt import _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
-from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError
+from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._lock import LOCK_FILE
 from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics
 from jaxckpt._manager_orbax import OrbaxCalls
@@ -92,8 +92,8 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
 
     Orbax's calls work beside TensorFlow's, on the same state file and retention: ``save(step=s)``
     (``ckpt-<s>``, saved exactly when :meth:`should_save` says so: past the latest step, and divisible
-    by ``save_interval_steps`` or at a preemption notice), :meth:`all_steps`, :meth:`latest_step`, and :meth:`restore` by step
-    into :attr:`checkpoint`. ``metadata={...}`` records the run's configuration (JSON) once for the
+    by ``save_interval_steps`` or at a preemption notice), :meth:`all_steps`, :meth:`latest_step`, :meth:`restore` by step
+    into :attr:`checkpoint`, and :meth:`delete` of a step (a rollback). ``metadata={...}`` records the run's configuration (JSON) once for the
     directory, in ``checkpoint.metadata``, and :meth:`metadata` reads it back.
 
     **Two tiers.** With ``local_directory`` (a fast disk of this host: NVMe, ``/dev/shm``), saves go
@@ -290,18 +290,7 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
             step = operator.index(step)
             if checkpoint_number is not None and operator.index(checkpoint_number) != step:
                 raise ValueError(f"save(checkpoint_number={checkpoint_number}, step={step}): give one of them.")
-        if self._options.read_only:
-            raise ManagerLockedError(
-                f"This manager of {self._directory!r} was created with read_only=True: it restores, and never saves. "
-                "Create one without read_only to save."
-            )
-        if not self._release.alive:
-            raise ManagerLockedError(f"This manager of {self._directory!r} is closed; create a new one to save.")
-        if self._lock is not None and not self._lock.held:
-            raise ManagerLockedError(
-                f"This manager of {self._directory!r} was created in process {self._lock.pid}, and this is a forked "
-                "child of it, which does not hold its lock. Save from the parent, or create a manager here."
-            )
+        self._check_writable("save")
         # Every process of a multi-process run goes through this save's agreement exactly once, even
         # when its part fails, so that no save after it waits for a process that is a save behind.
         taken = _multihost.tokens_taken()

@@ -141,7 +141,9 @@ def test_delete_refuses_what_it_must_not_delete(tmp_path):
     with _manager(ckpt, tmp_path) as manager:
         for step in (1, 2, 3):
             manager.save(step)
-        with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"no checkpoint of step 7; its kept steps are \[1, 2, 3\]"):
+        with pytest.raises(
+            jaxckpt.CheckpointNotFoundError, match=r"no checkpoint of step 7; its kept steps are \[1, 2, 3\]"
+        ):
             manager.delete(7)
         with pytest.raises(TypeError):
             manager.delete("2")
