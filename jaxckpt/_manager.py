@@ -10,7 +10,7 @@ The directory belongs to its manager::
 The state file is the only source of truth for which checkpoints exist. A manager deletes only
 checkpoints that its state file lists under its own ``checkpoint_name`` (never one preserved by
 ``keep_checkpoint_every_n_hours``). At start it takes the directory over (:mod:`jaxckpt._startup`:
-refusing another name's, adopting unlisted checkpoints, removing what crashes left); after each save
+keeping another name's, adopting unlisted checkpoints, removing what crashes left); after each save
 it records the new checkpoint and applies retention in an order that a crash at any instant leaves
 every listed checkpoint whole (:mod:`jaxckpt._retention`).
 
@@ -77,8 +77,9 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
 
     Only one manager may work in a directory at a time: it holds a kernel lock on ``checkpoint.lock``
     (see :mod:`jaxckpt._lock`), released by :meth:`close`, at the end of a ``with`` block, at
-    interpreter exit, and by the kernel when the process dies. A directory whose state file lists
-    checkpoints of another ``checkpoint_name`` is refused: a manager deletes only its own.
+    interpreter exit, and by the kernel when the process dies. Checkpoints that the state file lists
+    under another ``checkpoint_name`` (``Checkpoint.save`` under another prefix, another manager) stay
+    listed, as TensorFlow's: numbering continues after them, and a manager deletes only its own.
     ``read_only=True`` restores without the lock, for a job that must not (or cannot) write there:
     it never saves, deletes or cleans up. ``clock`` (Unix seconds) is for tests.
 

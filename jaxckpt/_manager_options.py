@@ -95,9 +95,10 @@ class ManagerOptions:
 
     def next_number(self, checkpoint_number: int | None, counter: int, infos: Sequence[CheckpointInfo]) -> int:
         """The number of the next checkpoint: ``checkpoint_number`` if given, else after ``counter`` (the
-        checkpoint's ``save_counter``) and after every number ``infos`` lists (a job that did not restore)."""
+        checkpoint's ``save_counter``) and after every number ``infos`` lists, another ``checkpoint_name``'s
+        included (a job that did not restore)."""
         if checkpoint_number is None:
-            taken = [n for c in infos if (n := self.number(os.path.basename(c.path))) is not None]
+            taken = [int(m.group(1)) for c in infos if (m := re.fullmatch(r".+-([0-9]+)", os.path.basename(c.path)))]
             return max(counter + 1, max(taken, default=0) + 1)
         number = operator.index(checkpoint_number)
         if number < 0:

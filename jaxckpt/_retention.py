@@ -53,20 +53,22 @@ def retain(
     hours: float | None,
     last_preserved: float,
     also_keep: Collection[str] = (),
+    foreign: Collection[str] = (),
 ) -> Retained:
     """What to keep of ``candidates`` (oldest first, the new checkpoint last).
 
-    Preserved checkpoints are out of every policy's sight and always kept. Of the others (TF's
-    active set), ``policy`` keeps some and the latest is always kept; as in TensorFlow's manager,
-    each one dropped is instead preserved, oldest first, if it was saved at least ``hours``
-    (``keep_checkpoint_every_n_hours``) after the last preserved one. Without a policy, all stay.
-    The paths in ``also_keep`` stay this time whatever the policy (a local checkpoint that is still
-    being copied to the durable tier).
+    Preserved checkpoints, and the ``foreign`` ones (paths of another ``checkpoint_name``, which
+    ``Checkpoint.save`` under another prefix or another manager listed), are out of every policy's
+    sight and always kept. Of the others (TF's active set), ``policy`` keeps some and the latest is
+    always kept; as in TensorFlow's manager, each one dropped is instead preserved, oldest first, if
+    it was saved at least ``hours`` (``keep_checkpoint_every_n_hours``) after the last preserved one.
+    Without a policy, all stay. The paths in ``also_keep`` stay this time whatever the policy (a
+    local checkpoint that is still being copied to the durable tier).
     """
     if policy is None:
         return Retained(list(candidates), last_preserved)
-    active = tuple(c for c in candidates if not c.preserved)
-    keep = {c.path for c in policy.keep(active)} | {candidates[-1].path} | set(also_keep)
+    active = tuple(c for c in candidates if not c.preserved and c.path not in foreign)
+    keep = {c.path for c in policy.keep(active)} | {candidates[-1].path} | set(also_keep) | set(foreign)
     out = []
     for c in candidates:
         if c.preserved or c.path in keep:
@@ -324,16 +326,22 @@ class RetentionCalls:
         self._check_writable("delete")
         self._background.wait()
         if not self._drop_step(step):
+            others = [os.path.basename(c.path) for c in self._infos if c.step == step]
             raise CheckpointNotFoundError(
-                f"{self._directory!r} has no checkpoint of step {step}; its kept steps are "
-                f"{[c.step for c in self._infos]}. Give one of those to delete."
+                f"{self._directory!r} has no checkpoint of step {step}"
+                + (
+                    f" of checkpoint_name={self._options.name!r} (only {others}, which this manager never deletes)"
+                    if others
+                    else ""
+                )
+                + f"; its kept steps are {[c.step for c in self._infos if self._own(c)]}. Give one of those to delete."
             )
 
     def _drop_step(self, step: int) -> bool:
         """Stop listing the checkpoints of ``step``, then delete them (every process; the primary
         writes and deletes); False if none is listed."""
         with self._retention_lock:
-            kept = [c for c in self._infos if c.step != step]
+            kept = [c for c in self._infos if c.step != step or not self._own(c)]
             if len(kept) == len(self._infos):
                 return False
             if self._primary:
@@ -362,12 +370,19 @@ class RetentionCalls:
 
     def _retain(self, candidates: list[CheckpointInfo]) -> Retained:
         opts = self._options
-        return retain(candidates, opts.policy, opts.hours, self._last_preserved, self._also_keep)
+        foreign = [c.path for c in candidates if not self._own(c)]
+        return retain(candidates, opts.policy, opts.hours, self._last_preserved, self._also_keep, foreign)
+
+    def _own(self, checkpoint: CheckpointInfo) -> bool:
+        """Whether ``checkpoint`` is of this manager's ``checkpoint_name``: the only ones it ever deletes."""
+        return self._options.number(os.path.basename(checkpoint.path)) is not None
 
     def _keep_only(self, kept: list[CheckpointInfo]) -> None:
-        """Primary: list only ``kept`` of the listed checkpoints, then delete the others (as retention)."""
+        """Primary: list only ``kept`` of the listed checkpoints, then delete the others (as retention);
+        another ``checkpoint_name``'s stay listed whatever ``kept`` says."""
         with self._retention_lock:
             old = list(self._infos)
+            kept = [c for c in old if c in kept or not self._own(c)]
             if kept == old or self._options.read_only or not self._release.alive:
                 return
             dropped = dropped_names(old, kept)

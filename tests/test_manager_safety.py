@@ -147,14 +147,24 @@ def test_a_manager_with_another_name_never_deletes_the_first_ones_checkpoints(tm
     with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=1) as first:
         first.save()
         kept = first.save()
-    with pytest.raises(jaxckpt.CheckpointExistsError, match=r"'ckpt-2'.*'run'") as e:
-        jaxckpt.CheckpointManager(make_ckpt(), tmp_path, checkpoint_name="run", max_to_keep=1)
-    assert "checkpoint_name" in str(e.value)
-    assert jaxckpt.latest_checkpoint(tmp_path) == kept
+    # As TensorFlow's managers: it finds the other name's (latest_checkpoint), numbers after them, and
+    # never deletes them, whatever its retention; delete(step) refuses them too.
+    with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, checkpoint_name="run", max_to_keep=1) as second:
+        assert second.latest_checkpoint == kept
+        with pytest.raises(
+            jaxckpt.CheckpointNotFoundError, match=r"only \['ckpt-2'\], which this manager never deletes"
+        ):
+            second.delete(2)
+        second.save()
+        second.save()
+        assert names(second.checkpoints) == ["ckpt-2", "run-4"]
+    assert jaxckpt.latest_checkpoint(tmp_path) == str(tmp_path / "run-4")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == ["ckpt-2"]
     make_ckpt().restore(kept).assert_consumed()
     with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=1) as again:  # the first name still works
-        assert names(again.checkpoints) == ["ckpt-2"]
+        assert names(again.checkpoints) == ["ckpt-2", "run-4"]
+        again.save()  # its own retention: ckpt-2 goes, run-4 stays
+        assert names(again.checkpoints) == ["run-4", "ckpt-5"]
 
 
 def test_leftovers_of_another_name_are_not_removed(tmp_path):
