@@ -68,7 +68,8 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
     (``KeepEvery(hours=h)`` is a different rule: one checkpoint per ``h``-hour window.)
 
     ``step_counter`` says where the training step is, for ``checkpoint_interval`` (counted, as in
-    TensorFlow, from the step this manager last saved or restored; see :meth:`save`) and the state file:
+    TensorFlow, from the step this manager last saved or restored, at first from ``last_checkpoint_step``
+    if given; see :meth:`save`) and the state file:
     the name of a child of ``checkpoint`` (``"step"``; read at each save, so it follows restores and
     reassignments, which matters since JAX values are immutable and get replaced, not updated), or a
     callable returning it. Without ``checkpoint_number``, checkpoints are numbered by ``checkpoint``'s
@@ -130,6 +131,7 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
         checkpoint_name: str = "ckpt",
         step_counter: StepCounter | None = None,
         checkpoint_interval: int | None = None,
+        last_checkpoint_step: int | None = None,
         save_interval_steps: int | None = None,
         init_fn: Callable[[], Any] | None = None,
         policies: Sequence[RetentionPolicy] = (),
@@ -150,6 +152,7 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
             checkpoint_name=checkpoint_name,
             step_counter=step_counter,
             checkpoint_interval=checkpoint_interval,
+            last_checkpoint_step=last_checkpoint_step,
             save_interval_steps=save_interval_steps,
             init_fn=init_fn,
             policies=policies,
@@ -160,9 +163,9 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
         )
         self._checkpoint = checkpoint
         self._directory = os.fspath(directory)
-        # As TF's manager: the step of the last checkpoint this manager saved or restored (None
-        # before either), which checkpoint_interval counts from.
-        self._last_checkpoint_step: int | None = None
+        # As TF's manager: the step of the last checkpoint this manager saved or restored (before
+        # either, last_checkpoint_step, by default None), which checkpoint_interval counts from.
+        self._last_checkpoint_step: int | None = last_checkpoint_step
         # What a save changed before every process agreed on it, to put back if they did not.
         self._last_before: int | None = None
         self._counter_before = 0

@@ -75,7 +75,15 @@ from jaxckpt._restore import RestoreStatus
 from jaxckpt._tree import PathLike
 
 # The options a local tier shares with the durable one; the rest (retention) are its own.
-_SHARED = ("checkpoint_name", "step_counter", "checkpoint_interval", "save_interval_steps", "async_save", "clock")
+_SHARED = (
+    "checkpoint_name",
+    "step_counter",
+    "checkpoint_interval",
+    "last_checkpoint_step",
+    "save_interval_steps",
+    "async_save",
+    "clock",
+)
 
 
 class _HostTier(CheckpointManager):
