@@ -13,8 +13,10 @@ alone: adopted and read through it, but never marked, and removing it removes th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -119,13 +121,39 @@ def take_over(folder: _storage.Location, directory: str, options: ManagerOptions
     last_preserved = min(now, recorded if recorded is not None else now - 1.0)
     if options.read_only:
         return TakenOver(infos or [], last_preserved)
+    kept_all = infos is not None and recorded is not None and now < recorded and keep_all(directory, infos, options)
     if primary:
         # One listing for both (in an object store each is a request): what adoption writes, the
         # state file, is none of the names that remove_leftovers removes.
         names = _storage.children(folder)
-        infos = adopt_unlisted(folder, directory, infos, options, last_preserved, names)
+        adopted = adopt_unlisted(folder, directory, infos, options, last_preserved, names)
+        if kept_all and adopted is infos:  # adoption wrote nothing: the preserved marks are written now
+            _statefile.write_state(folder, adopted, last_preserved)
+        infos = adopted
         remove_leftovers(folder, infos, options, names)
     return TakenOver(infos or [], last_preserved)
+
+
+def keep_all(directory: str, infos: list[CheckpointInfo], options: ManagerOptions) -> bool:
+    """The clock is behind the last preserved time recorded (it went back): as TensorFlow's manager
+    "errs on the side of keeping", since which checkpoints the hours rule would preserve cannot be
+    told, mark every listed checkpoint of this name preserved, so that no manager deletes it (in
+    place, in ``infos``); say so. Whether any was marked."""
+    marked = [
+        i for i, c in enumerate(infos) if not c.preserved and options.number(os.path.basename(c.path)) is not None
+    ]
+    for i in marked:
+        infos[i] = dataclasses.replace(infos[i], preserved=True)
+    if marked:
+        warnings.warn(
+            f"The clock ({options.clock():.0f}, Unix seconds) is behind the last preserved checkpoint time recorded "
+            f"in {directory!r}'s state file: it went back. As TensorFlow's manager does, the checkpoints listed "
+            f"there are kept for good ({[os.path.basename(infos[i].path) for i in marked][-5:]}, marked preserved), "
+            "since which of them keep_checkpoint_every_n_hours would preserve cannot be told; delete(step) removes "
+            "one. Check this host's clock.",
+            stacklevel=4,
+        )
+    return bool(marked)
 
 
 def remove_leftovers(
