@@ -388,7 +388,12 @@ class RetentionCalls:
             dropped = dropped_names(old, kept)
             for name in dropped:
                 mark_dropped(self._path / name)
-            _statefile.write_state(self._path, kept, self._last_preserved)
+            try:
+                _statefile.write_state(self._path, kept, self._last_preserved)
+            except BaseException:
+                for name in dropped:  # still listed: a mark would make it garbage (as in record)
+                    _clear_mark(self._path / name)
+                raise
             self._infos = kept
         self._deleter.delete(dropped)
 
