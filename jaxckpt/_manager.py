@@ -64,7 +64,8 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
     kept. ``keep_checkpoint_every_n_hours=h`` is TensorFlow's rule: a checkpoint that retention drops
     is preserved instead if it was saved at least ``h`` hours after the last preserved one (at first,
     after the directory's first manager started). A preserved checkpoint is marked so in the state
-    file, no policy sees it, and no manager ever deletes it, whatever its options.
+    file, no policy sees it, and no manager's retention ever deletes it, whatever its options (only
+    :meth:`delete` of its step does).
     (``KeepEvery(hours=h)`` is a different rule: one checkpoint per ``h``-hour window.)
 
     ``step_counter`` says where the training step is, for ``checkpoint_interval`` (counted, as in
