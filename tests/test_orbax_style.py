@@ -156,6 +156,18 @@ def test_delete_refuses_what_it_must_not_delete(tmp_path):
     assert _steps_on_disk(tmp_path) == [1, 2, 3]
 
 
+def test_delete_lets_the_step_be_saved_again_with_a_checkpoint_interval(tmp_path):
+    """TF's checkpoint_interval counts from the step last saved: once that checkpoint is deleted, the
+    same step saves again (the rollback re-trains it)."""
+    ckpt = jaxckpt.Checkpoint(step=0, w=jnp.ones(2))
+    with _manager(ckpt, tmp_path, step_counter="step", checkpoint_interval=5) as manager:
+        ckpt.step = 10
+        manager.save()
+        manager.delete(10)
+        assert manager.save() == str(tmp_path / "ckpt-2")
+        assert manager.all_steps() == [10]
+
+
 def test_delete_in_a_bucket(s3):
     ckpt = jaxckpt.Checkpoint(w=jnp.ones(2))
     with _manager(ckpt, s3) as manager:
