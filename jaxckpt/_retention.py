@@ -308,6 +308,7 @@ class RetentionCalls:
     _lock: Lock | None
     _primary: bool
     _own_copy: bool
+    _last_checkpoint_step: int | None
 
     def delete(self, step: int) -> None:
         """Delete the checkpoint of ``step`` (Orbax's ``delete``): to roll back after a loss spike,
@@ -325,7 +326,9 @@ class RetentionCalls:
         step = operator.index(step)
         self._check_writable("delete")
         self._background.wait()
-        if not self._drop_step(step):
+        if self._drop_step(step):
+            self._forget_last_step(step)
+        else:
             others = [os.path.basename(c.path) for c in self._infos if c.step == step]
             raise CheckpointNotFoundError(
                 f"{self._directory!r} has no checkpoint of step {step}"
@@ -336,6 +339,13 @@ class RetentionCalls:
                 )
                 + f"; its kept steps are {[c.step for c in self._infos if self._own(c)]}. Give one of those to delete."
             )
+
+    def _forget_last_step(self, step: int) -> None:
+        """TF's checkpoint_interval counts from the last step saved: if its checkpoint was deleted, from
+        the latest one left (so that the rolled-back steps save again)."""
+        if self._last_checkpoint_step == step:
+            left = [c.step for c in self._infos if self._own(c)]
+            self._last_checkpoint_step = left[-1] if left else None
 
     def _drop_step(self, step: int) -> bool:
         """Stop listing the checkpoints of ``step``, then delete them (every process; the primary

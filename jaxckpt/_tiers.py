@@ -388,6 +388,7 @@ class TieredManager(CheckpointManager):
         self._background.settle()  # the copy's error stays for the next save (see _report_failed_copy)
         # Both tiers, even when the first has none: the local tier may hold a step the durable one skipped.
         in_local = self._local._drop_step(step)
+        self._local._forget_last_step(step)  # the local tier saves: its interval is the one that counts
         if not self._drop_step(step) and not in_local:
             raise CheckpointNotFoundError(
                 f"There is no checkpoint of step {step} in either tier: the kept steps are "
