@@ -2,51 +2,28 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import time
 import warnings
-import weakref
 from types import FrameType
 from typing import Any
-
-import jax
 
 from jaxckpt import _async, _lock, _multihost, _save, _staging, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._errors import (
-    CheckpointNotFoundError,
     JaxckptError,
     ManagerLockedError,
-    MissingKeyError,
     StorageError,
     UnusedValuesWarning,
 )
-from jaxckpt._format import ValueLeaf
 from jaxckpt._open import open_checkpoint
-from jaxckpt._reader import Opened
 from jaxckpt._restore import KeyMap, RestoreStatus, mapped, summarize
+from jaxckpt._restore_graph import SAVE_COUNTER, Restore
 from jaxckpt._tree import (
-    CHECKPOINT,
     PathLike,
-    describe,
-    escape_edge,
-    flatten,
     gc_paused,
-    join,
-    placeholders_message,
-    rebuild,
 )
-
-SAVE_COUNTER = "save_counter"
-
-
-def _object_leaves(obj: Any, key: str) -> list[str]:
-    """Leaf keys of ``obj`` at ``key``, without the save counters of nested Checkpoints."""
-    flat = flatten(obj, key)
-    counters = {join(k, SAVE_COUNTER) for k, info in flat.nodes.items() if info.kind == CHECKPOINT}
-    return [k for k in flat.leaves if k not in counters]
 
 
 def _graph(root: Checkpoint) -> list[Checkpoint]:
@@ -61,7 +38,6 @@ def _graph(root: Checkpoint) -> list[Checkpoint]:
     return list(found.values())
 
 
-_RESTORE_IDS = itertools.count(1)
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -72,110 +48,6 @@ def _caller_level() -> int:
     while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
         frame, level = frame.f_back, level + 1
     return level
-
-
-class _Restore:
-    """One restore of a checkpoint into a graph of Checkpoint objects."""
-
-    def __init__(self, opened: Opened, status: RestoreStatus) -> None:
-        self.opened = opened
-        self.status = status
-        # Restores are ordered by their restore() call: where two give a value to the same child, the
-        # later call's value wins, whatever the order in which children are assigned (as in TF).
-        self.uid = next(_RESTORE_IDS)
-        self.jobs: list[tuple[Checkpoint, str, Any, str]] = []  # (owner, name, value, key)
-        # Edges whose values wait for an assignment. Weak: the Checkpoint holds this restore in its
-        # _pending, and a strong reference back would be a cycle keeping its children alive until GC.
-        self.waiting: list[tuple[weakref.ref[Checkpoint], str]] = []
-        # The object graph: Checkpoints gathered (each once, however many paths reach it), and the
-        # object each saved Checkpoint went into. Weak, for the same reason as ``waiting``.
-        self.gathered: weakref.WeakSet[Checkpoint] = weakref.WeakSet()
-        self.restored_into: dict[str, weakref.ref[Checkpoint]] = {}
-
-    def gather(self, ckpt: Checkpoint, key: str) -> None:
-        """Plan the restore of ``ckpt`` (at ``key``): its children now, its absent edges later."""
-        key = self.opened.index.aliases.get(key, key)  # the saved object stored once, where first met
-        if ckpt in self.gathered:
-            return  # reached again by another path (or around a cycle): restored once
-        earlier = self.restored_into.get(key)
-        if earlier is not None and earlier() is not None and earlier() is not ckpt:
-            self.status._loaded_twice.add(key)
-        self.gathered.add(ckpt)
-        self.restored_into[key] = weakref.ref(ckpt)
-        info = self.opened.index.nodes.get(key)
-        saved = set(info.keys) if info is not None else set()
-        for name, child in ckpt._children.items():
-            child_key = join(key, escape_edge(name))
-            if name not in saved:
-                leaves = flatten(child, child_key).leaves
-                abstract = [k for k, v in leaves.items() if isinstance(v, jax.ShapeDtypeStruct)]
-                if abstract:  # it would keep its placeholders: never leave them behind
-                    raise MissingKeyError(placeholders_message(abstract))
-                self.status._missing.update(_object_leaves(child, child_key))
-            elif isinstance(child, Checkpoint):
-                self.gather(child, child_key)
-            else:
-                self.jobs.append((ckpt, name, child, child_key))
-        if SAVE_COUNTER in saved and isinstance(self.opened.index.leaves.get(join(key, SAVE_COUNTER)), ValueLeaf):
-            self.jobs.append((ckpt, SAVE_COUNTER, ckpt.save_counter, join(key, SAVE_COUNTER)))
-        for name in saved - set(ckpt._children) - {SAVE_COUNTER}:
-            if isinstance(name, str):
-                ckpt._pending.setdefault(name, []).append((self, join(key, escape_edge(name))))
-                self.waiting.append((weakref.ref(ckpt), name))
-
-    def abandon(self) -> None:
-        """A restore that failed leaves no values waiting, and no warning about unused ones."""
-        self.status._partial_ok = self.status._settled = True
-        for ref, name in self.waiting:
-            ckpt = ref()
-            if ckpt is not None and name in ckpt._pending:
-                left = [(r, k) for r, k in ckpt._pending[name] if r is not self]
-                if left:
-                    ckpt._pending[name] = left
-                else:
-                    del ckpt._pending[name]
-
-    def run(self) -> None:
-        leaves = self.opened.index.leaves
-        wanted: dict[str, Any] = {}
-        for _, _, value, key in self.jobs:
-            for k, template in flatten(value, key).leaves.items():
-                if k in leaves:
-                    wanted[k] = template
-                else:
-                    self.status._missing.add(k)
-        values = self.opened.load(wanted)
-        for owner, name, value, key in self.jobs:
-            if owner._restored_by.get(name, 0) > self.uid:
-                continue  # a later restore() call already gave it its value; this one's counts as used
-            owner._jaxckpt_set(name, rebuild(value, values, key))
-            owner._restored_by[name] = self.uid
-        self.status._used.update(wanted)
-        self.jobs.clear()
-
-    def deferred(self, ckpt: Checkpoint, name: str, value: Any, key: str) -> Any:
-        """Restore a child assigned after ``restore()``; returns what to store.
-
-        If it fails, the child keeps the value assigned (so the next save includes it), and no job is
-        left behind for a later assignment to run again.
-        """
-        try:
-            if isinstance(value, Checkpoint):
-                self.gather(value, key)
-                self.run()
-                return value
-            self.jobs.append((ckpt, name, value, key))
-            self.run()
-        except JaxckptError as e:
-            self.jobs.clear()
-            if self.opened.exists():
-                raise
-            raise CheckpointNotFoundError(
-                f"Cannot restore {describe(key)}, assigned after restore(): its checkpoint {str(self.opened.path)!r} "
-                "has been deleted since (a manager's retention?). The child keeps the value you assigned. Assign "
-                "children before the next save, or restore them from a newer checkpoint."
-            ) from e
-        return ckpt._children[name]
 
 
 class _Recorder:
@@ -465,7 +337,7 @@ class Checkpoint:
         if key_map is not None:
             opened = mapped(opened, key_map)
         status = RestoreStatus(opened)
-        restore = _Restore(opened, status)
+        restore = Restore(opened, status)
         try:
             restore.gather(self, "")
             restore.run()

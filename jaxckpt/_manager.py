@@ -10,7 +10,7 @@ The directory belongs to its manager::
 The state file is the only source of truth for which checkpoints exist. A manager deletes only
 checkpoints that its state file lists under its own ``checkpoint_name`` (never one preserved by
 ``keep_checkpoint_every_n_hours``). At start it takes the directory over (:mod:`jaxckpt._startup`:
-refusing another name's, adopting unlisted checkpoints, removing what crashes left); after each save
+keeping another name's, adopting unlisted checkpoints, removing what crashes left); after each save
 it records the new checkpoint and applies retention in an order that a crash at any instant leaves
 every listed checkpoint whole (:mod:`jaxckpt._retention`).
 
@@ -33,7 +33,7 @@ from typing import Any
 from jaxckpt import _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
-from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError, ManagerLockedError
+from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._lock import LOCK_FILE
 from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics
 from jaxckpt._manager_orbax import OrbaxCalls
@@ -64,11 +64,13 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
     kept. ``keep_checkpoint_every_n_hours=h`` is TensorFlow's rule: a checkpoint that retention drops
     is preserved instead if it was saved at least ``h`` hours after the last preserved one (at first,
     after the directory's first manager started). A preserved checkpoint is marked so in the state
-    file, no policy sees it, and no manager ever deletes it, whatever its options.
+    file, no policy sees it, and no manager's retention ever deletes it, whatever its options (only
+    :meth:`delete` of its step does).
     (``KeepEvery(hours=h)`` is a different rule: one checkpoint per ``h``-hour window.)
 
     ``step_counter`` says where the training step is, for ``checkpoint_interval`` (counted, as in
-    TensorFlow, from the step this manager last saved or restored; see :meth:`save`) and the state file:
+    TensorFlow, from the step this manager last saved or restored, at first from ``last_checkpoint_step``
+    if given; see :meth:`save`) and the state file:
     the name of a child of ``checkpoint`` (``"step"``; read at each save, so it follows restores and
     reassignments, which matters since JAX values are immutable and get replaced, not updated), or a
     callable returning it. Without ``checkpoint_number``, checkpoints are numbered by ``checkpoint``'s
@@ -77,8 +79,9 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
 
     Only one manager may work in a directory at a time: it holds a kernel lock on ``checkpoint.lock``
     (see :mod:`jaxckpt._lock`), released by :meth:`close`, at the end of a ``with`` block, at
-    interpreter exit, and by the kernel when the process dies. A directory whose state file lists
-    checkpoints of another ``checkpoint_name`` is refused: a manager deletes only its own.
+    interpreter exit, and by the kernel when the process dies. Checkpoints that the state file lists
+    under another ``checkpoint_name`` (``Checkpoint.save`` under another prefix, another manager) stay
+    listed, as TensorFlow's: numbering continues after them, and a manager deletes only its own.
     ``read_only=True`` restores without the lock, for a job that must not (or cannot) write there:
     it never saves, deletes or cleans up. ``clock`` (Unix seconds) is for tests.
 
@@ -92,8 +95,8 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
 
     Orbax's calls work beside TensorFlow's, on the same state file and retention: ``save(step=s)``
     (``ckpt-<s>``, saved exactly when :meth:`should_save` says so: past the latest step, and divisible
-    by ``save_interval_steps`` or at a preemption notice), :meth:`all_steps`, :meth:`latest_step`, and :meth:`restore` by step
-    into :attr:`checkpoint`. ``metadata={...}`` records the run's configuration (JSON) once for the
+    by ``save_interval_steps`` or at a preemption notice), :meth:`all_steps`, :meth:`latest_step`, :meth:`restore` by step
+    into :attr:`checkpoint`, and :meth:`delete` of a step (a rollback). ``metadata={...}`` records the run's configuration (JSON) once for the
     directory, in ``checkpoint.metadata``, and :meth:`metadata` reads it back.
 
     **Two tiers.** With ``local_directory`` (a fast disk of this host: NVMe, ``/dev/shm``), saves go
@@ -129,6 +132,7 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
         checkpoint_name: str = "ckpt",
         step_counter: StepCounter | None = None,
         checkpoint_interval: int | None = None,
+        last_checkpoint_step: int | None = None,
         save_interval_steps: int | None = None,
         init_fn: Callable[[], Any] | None = None,
         policies: Sequence[RetentionPolicy] = (),
@@ -149,6 +153,7 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
             checkpoint_name=checkpoint_name,
             step_counter=step_counter,
             checkpoint_interval=checkpoint_interval,
+            last_checkpoint_step=last_checkpoint_step,
             save_interval_steps=save_interval_steps,
             init_fn=init_fn,
             policies=policies,
@@ -159,9 +164,9 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
         )
         self._checkpoint = checkpoint
         self._directory = os.fspath(directory)
-        # As TF's manager: the step of the last checkpoint this manager saved or restored (None
-        # before either), which checkpoint_interval counts from.
-        self._last_checkpoint_step: int | None = None
+        # As TF's manager: the step of the last checkpoint this manager saved or restored (before
+        # either, last_checkpoint_step, by default None), which checkpoint_interval counts from.
+        self._last_checkpoint_step: int | None = last_checkpoint_step
         # What a save changed before every process agreed on it, to put back if they did not.
         self._last_before: int | None = None
         self._counter_before = 0
@@ -290,18 +295,7 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
             step = operator.index(step)
             if checkpoint_number is not None and operator.index(checkpoint_number) != step:
                 raise ValueError(f"save(checkpoint_number={checkpoint_number}, step={step}): give one of them.")
-        if self._options.read_only:
-            raise ManagerLockedError(
-                f"This manager of {self._directory!r} was created with read_only=True: it restores, and never saves. "
-                "Create one without read_only to save."
-            )
-        if not self._release.alive:
-            raise ManagerLockedError(f"This manager of {self._directory!r} is closed; create a new one to save.")
-        if self._lock is not None and not self._lock.held:
-            raise ManagerLockedError(
-                f"This manager of {self._directory!r} was created in process {self._lock.pid}, and this is a forked "
-                "child of it, which does not hold its lock. Save from the parent, or create a manager here."
-            )
+        self._check_writable("save")
         # Every process of a multi-process run goes through this save's agreement exactly once, even
         # when its part fails, so that no save after it waits for a process that is a save behind.
         taken = _multihost.tokens_taken()

@@ -48,6 +48,7 @@ class ManagerOptions:
         checkpoint_name: str,
         step_counter: StepCounter | None,
         checkpoint_interval: int | None,
+        last_checkpoint_step: int | None = None,
         save_interval_steps: int | None,
         init_fn: Callable[[], Any] | None,
         policies: Sequence[RetentionPolicy],
@@ -64,6 +65,13 @@ class ManagerOptions:
                 raise ValueError("checkpoint_interval needs a step_counter to measure the interval with.")
             if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int):
                 raise ValueError(f"checkpoint_interval must be an int, not {checkpoint_interval!r}.")
+        if last_checkpoint_step is not None:
+            if checkpoint_interval is None:
+                raise ValueError(
+                    "last_checkpoint_step is where checkpoint_interval counts from: it needs checkpoint_interval."
+                )
+            if isinstance(last_checkpoint_step, bool) or not isinstance(last_checkpoint_step, int):
+                raise ValueError(f"last_checkpoint_step must be an int step, not {last_checkpoint_step!r}.")
         if save_interval_steps is not None:
             positive_int("save_interval_steps", save_interval_steps)
         if read_only and save_on_preemption:
@@ -95,9 +103,10 @@ class ManagerOptions:
 
     def next_number(self, checkpoint_number: int | None, counter: int, infos: Sequence[CheckpointInfo]) -> int:
         """The number of the next checkpoint: ``checkpoint_number`` if given, else after ``counter`` (the
-        checkpoint's ``save_counter``) and after every number ``infos`` lists (a job that did not restore)."""
+        checkpoint's ``save_counter``) and after every number ``infos`` lists, another ``checkpoint_name``'s
+        included (a job that did not restore)."""
         if checkpoint_number is None:
-            taken = [n for c in infos if (n := self.number(os.path.basename(c.path))) is not None]
+            taken = [int(m.group(1)) for c in infos if (m := re.fullmatch(r".+-([0-9]+)", os.path.basename(c.path)))]
             return max(counter + 1, max(taken, default=0) + 1)
         number = operator.index(checkpoint_number)
         if number < 0:

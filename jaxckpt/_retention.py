@@ -15,6 +15,8 @@ removes (see :mod:`jaxckpt._startup`): a marked checkpoint, or a prefix without 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 import os
 import secrets
 import threading
@@ -26,12 +28,16 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from jaxckpt import _kvstore, _local_tree, _multihost, _staging, _statefile, _storage
 from jaxckpt._async import Background
-from jaxckpt._errors import JaxckptError, StorageError
+from jaxckpt._errors import CheckpointNotFoundError, JaxckptError, ManagerLockedError, StorageError
 from jaxckpt._format import INDEX_FILE
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 
 if TYPE_CHECKING:
+    from jaxckpt._lock import Lock
     from jaxckpt._manager_options import ManagerOptions
+
+# Numbers the deletions' barriers alike on every process (each calls delete in the same order).
+_deletions = itertools.count()
 
 
 class Retained(NamedTuple):
@@ -47,20 +53,22 @@ def retain(
     hours: float | None,
     last_preserved: float,
     also_keep: Collection[str] = (),
+    foreign: Collection[str] = (),
 ) -> Retained:
     """What to keep of ``candidates`` (oldest first, the new checkpoint last).
 
-    Preserved checkpoints are out of every policy's sight and always kept. Of the others (TF's
-    active set), ``policy`` keeps some and the latest is always kept; as in TensorFlow's manager,
-    each one dropped is instead preserved, oldest first, if it was saved at least ``hours``
-    (``keep_checkpoint_every_n_hours``) after the last preserved one. Without a policy, all stay.
-    The paths in ``also_keep`` stay this time whatever the policy (a local checkpoint that is still
-    being copied to the durable tier).
+    Preserved checkpoints, and the ``foreign`` ones (paths of another ``checkpoint_name``, which
+    ``Checkpoint.save`` under another prefix or another manager listed), are out of every policy's
+    sight and always kept. Of the others (TF's active set), ``policy`` keeps some and the latest is
+    always kept; as in TensorFlow's manager, each one dropped is instead preserved, oldest first, if
+    it was saved at least ``hours`` (``keep_checkpoint_every_n_hours``) after the last preserved one.
+    Without a policy, all stay. The paths in ``also_keep`` stay this time whatever the policy (a
+    local checkpoint that is still being copied to the durable tier).
     """
     if policy is None:
         return Retained(list(candidates), last_preserved)
-    active = tuple(c for c in candidates if not c.preserved)
-    keep = {c.path for c in policy.keep(active)} | {candidates[-1].path} | set(also_keep)
+    active = tuple(c for c in candidates if not c.preserved and c.path not in foreign)
+    keep = {c.path for c in policy.keep(active)} | {candidates[-1].path} | set(also_keep) | set(foreign)
     out = []
     for c in candidates:
         if c.preserved or c.path in keep:
@@ -284,32 +292,118 @@ def _delete_renamed(hidden: Path) -> None:
 
 
 class RetentionCalls:
-    """:class:`~jaxckpt.CheckpointManager`'s retention after a save, and its deletions' failures."""
+    """:class:`~jaxckpt.CheckpointManager`'s retention after a save, :meth:`delete`, and the deletions' failures."""
 
     # What the manager has that these calls use.
     _options: ManagerOptions
     _infos: list[CheckpointInfo]
     _path: _storage.Location
+    _directory: str
     _last_preserved: float
     _also_keep: set[str]
     _retention_lock: threading.RLock
     _deleter: Deleter
     _release: weakref.finalize
+    _background: Background
+    _lock: Lock | None
+    _primary: bool
+    _own_copy: bool
+    _last_checkpoint_step: int | None
+
+    def delete(self, step: int) -> None:
+        """Delete the checkpoint of ``step`` (Orbax's ``delete``): to roll back after a loss spike,
+        ``restore(300)``, ``delete(400)``, ``delete(500)``, then train on and ``save(400)`` again.
+
+        A save in the background is finished first (its error raised, as the next :meth:`save` would),
+        so a step being written is deleted once it is whole, never midway. The state file stops listing
+        the step first, atomically, under the manager's lock, then its folder (or objects) is deleted in
+        the background, as retention deletes (a crash at any instant leaves garbage that the next
+        manager removes, never a listed checkpoint that is not whole). A checkpoint that
+        ``keep_checkpoint_every_n_hours`` preserved is deleted too when asked for by its step.
+        Raises CheckpointNotFoundError, naming the kept steps, if no kept checkpoint has that step,
+        and ManagerLockedError in a ``read_only`` or closed manager.
+        """
+        step = operator.index(step)
+        self._check_writable("delete")
+        self._background.wait()
+        if self._drop_step(step):
+            self._forget_last_step(step)
+        else:
+            others = [os.path.basename(c.path) for c in self._infos if c.step == step]
+            raise CheckpointNotFoundError(
+                f"{self._directory!r} has no checkpoint of step {step}"
+                + (
+                    f" of checkpoint_name={self._options.name!r} (only {others}, which this manager never deletes)"
+                    if others
+                    else ""
+                )
+                + f"; its kept steps are {[c.step for c in self._infos if self._own(c)]}. Give one of those to delete."
+            )
+
+    def _forget_last_step(self, step: int) -> None:
+        """TF's checkpoint_interval counts from the last step saved: if its checkpoint was deleted, from
+        the latest one left (so that the rolled-back steps save again)."""
+        if self._last_checkpoint_step == step:
+            left = [c.step for c in self._infos if self._own(c)]
+            self._last_checkpoint_step = left[-1] if left else None
+
+    def _drop_step(self, step: int) -> bool:
+        """Stop listing the checkpoints of ``step``, then delete them (every process; the primary
+        writes and deletes); False if none is listed."""
+        with self._retention_lock:
+            kept = [c for c in self._infos if c.step != step or not self._own(c)]
+            if len(kept) == len(self._infos):
+                return False
+            if self._primary:
+                self._keep_only(kept)
+            else:
+                self._infos = kept
+        if not self._own_copy:  # no process goes on before the state file no longer lists it
+            _multihost.barrier(f"delete/{next(_deletions)}")
+        return True
+
+    def _check_writable(self, doing: str) -> None:
+        """Refuse to save or delete in a read-only or closed manager, or from a forked child of it."""
+        if self._options.read_only:
+            raise ManagerLockedError(
+                f"This manager of {self._directory!r} was created with read_only=True: it restores, and never "
+                f"saves or deletes. Create one without read_only to {doing}."
+            )
+        if not self._release.alive:
+            raise ManagerLockedError(f"This manager of {self._directory!r} is closed; create a new one to {doing}.")
+        if self._lock is not None and not self._lock.held:
+            raise ManagerLockedError(
+                f"This manager of {self._directory!r} was created in process {self._lock.pid}, and this is a forked "
+                f"child of it, which does not hold its lock. {doing.capitalize()} from the parent, or create a "
+                "manager here."
+            )
 
     def _retain(self, candidates: list[CheckpointInfo]) -> Retained:
         opts = self._options
-        return retain(candidates, opts.policy, opts.hours, self._last_preserved, self._also_keep)
+        foreign = [c.path for c in candidates if not self._own(c)]
+        return retain(candidates, opts.policy, opts.hours, self._last_preserved, self._also_keep, foreign)
+
+    def _own(self, checkpoint: CheckpointInfo) -> bool:
+        """Whether ``checkpoint`` is of this manager's ``checkpoint_name``: the only ones it ever deletes."""
+        return self._options.number(os.path.basename(checkpoint.path)) is not None
 
     def _keep_only(self, kept: list[CheckpointInfo]) -> None:
-        """Primary: list only ``kept`` of the listed checkpoints, then delete the others (as retention)."""
+        """Primary: list only ``kept`` of the listed checkpoints, then delete the others (as retention);
+        another ``checkpoint_name``'s stay listed whatever ``kept`` says."""
         with self._retention_lock:
             old = list(self._infos)
+            kept = [c for c in old if c in kept or not self._own(c)]
             if kept == old or self._options.read_only or not self._release.alive:
                 return
             dropped = dropped_names(old, kept)
             for name in dropped:
                 mark_dropped(self._path / name)
-            _statefile.write_state(self._path, kept, self._last_preserved)
+            try:
+                _statefile.write_state(self._path, kept, self._last_preserved)
+            except BaseException:
+                for name in dropped:  # still listed: a mark would make it garbage (as in record)
+                    _clear_mark(self._path / name)
+                raise
             self._infos = kept
         self._deleter.delete(dropped)
 

@@ -1,9 +1,10 @@
 """A manager taking over its directory at start: whose it is, what it adopts, what crashes left.
 
-A manager refuses a directory whose state file lists another ``checkpoint_name``'s checkpoints (it
-would delete them). Complete ``<name>-N`` checkpoints that it finds unlisted (``Checkpoint.save`` of
-an older jaxckpt, ``Checkpoint.write``, a copy) it adopts into the state file, as TensorFlow's
-managers leave alone what they did not record. What a crash can leave behind (staging folders
+Checkpoints that the state file lists under another ``checkpoint_name`` (``Checkpoint.save`` under
+another prefix, a manager of another name) stay listed: the manager finds them (``latest_checkpoint``),
+numbers after them, and never deletes them (see :func:`jaxckpt._retention.retain`), as TensorFlow's
+managers leave alone what they did not record. Complete ``<name>-N`` checkpoints that it finds unlisted
+(``Checkpoint.save`` of an older jaxckpt, ``Checkpoint.write``, a copy) it adopts into the state file. What a crash can leave behind (staging folders
 ``.ckpt-N.partial-<token>``, temp state files ``.checkpoint.tmp-<token>``, unlisted ``ckpt-N``
 folders that are incomplete or marked, renamed ones being deleted) it removes; names that only
 look alike are never touched. A checkpoint symlinked here (another run's) is handled as the link
@@ -12,8 +13,10 @@ alone: adopted and read through it, but never marked, and removing it removes th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,20 +40,6 @@ def make_directory(local: Path, directory: str) -> None:
             f"Cannot create the CheckpointManager directory {directory!r}: {e.strerror} ({e.filename!r}). "
             "To only restore from it, pass read_only=True; otherwise give this process write access there."
         ) from None
-
-
-def check_names(directory: str, infos: list[CheckpointInfo], options: ManagerOptions) -> None:
-    """Refuse a directory whose state file lists another name's checkpoints: retention would delete them."""
-    others = [name for c in infos if options.number(name := os.path.basename(c.path)) is None]
-    if others:
-        named = re.fullmatch(r"(.+)-[0-9]+", others[-1])
-        other = f"checkpoint_name={named.group(1)!r}" if named else "another checkpoint_name"
-        name = options.name
-        raise CheckpointExistsError(
-            f"{directory!r} belongs to managers with {other}: its state file {_statefile.STATE_FILE!r} lists "
-            f"{others[-5:]}, which a manager with checkpoint_name={name!r} did not save and would delete. "
-            f"Use {other} for this directory, or another directory for {name!r}."
-        )
 
 
 def _unlisted_checkpoints(
@@ -122,24 +111,49 @@ class TakenOver(NamedTuple):
 
 
 def take_over(folder: _storage.Location, directory: str, options: ManagerOptions, primary: bool) -> TakenOver:
-    """Read the state file of ``folder``; unless read-only, refuse another name's directory, and on the
-    primary adopt unlisted checkpoints and remove what crashes left."""
+    """Read the state file of ``folder``; unless read-only, on the primary adopt unlisted checkpoints
+    and remove what crashes left."""
     state = _statefile.read_full_state(folder)
     infos, recorded = state if state is not None else (None, None)
     # TF's rule counts hours from the last preserved checkpoint, at first from when the first
     # manager of the directory started (a second back, as TF does), never from the future.
     now = options.clock()
     last_preserved = min(now, recorded if recorded is not None else now - 1.0)
-    if options.read_only:  # one that never deletes may read another name's checkpoints
+    if options.read_only:
         return TakenOver(infos or [], last_preserved)
-    check_names(directory, infos or [], options)
+    kept_all = infos is not None and recorded is not None and now < recorded and keep_all(directory, infos, options)
     if primary:
         # One listing for both (in an object store each is a request): what adoption writes, the
         # state file, is none of the names that remove_leftovers removes.
         names = _storage.children(folder)
-        infos = adopt_unlisted(folder, directory, infos, options, last_preserved, names)
+        adopted = adopt_unlisted(folder, directory, infos, options, last_preserved, names)
+        if kept_all and adopted is infos:  # adoption wrote nothing: the preserved marks are written now
+            _statefile.write_state(folder, adopted, last_preserved)
+        infos = adopted
         remove_leftovers(folder, infos, options, names)
     return TakenOver(infos or [], last_preserved)
+
+
+def keep_all(directory: str, infos: list[CheckpointInfo], options: ManagerOptions) -> bool:
+    """The clock is behind the last preserved time recorded (it went back): as TensorFlow's manager
+    "errs on the side of keeping", since which checkpoints the hours rule would preserve cannot be
+    told, mark every listed checkpoint of this name preserved, so that no manager deletes it (in
+    place, in ``infos``); say so. Whether any was marked."""
+    marked = [
+        i for i, c in enumerate(infos) if not c.preserved and options.number(os.path.basename(c.path)) is not None
+    ]
+    for i in marked:
+        infos[i] = dataclasses.replace(infos[i], preserved=True)
+    if marked:
+        warnings.warn(
+            f"The clock ({options.clock():.0f}, Unix seconds) is behind the last preserved checkpoint time recorded "
+            f"in {directory!r}'s state file: it went back. As TensorFlow's manager does, the checkpoints listed "
+            f"there are kept for good ({[os.path.basename(infos[i].path) for i in marked][-5:]}, marked preserved), "
+            "since which of them keep_checkpoint_every_n_hours would preserve cannot be told; delete(step) removes "
+            "one. Check this host's clock.",
+            stacklevel=4,
+        )
+    return bool(marked)
 
 
 def remove_leftovers(

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import os
 import shutil
 import sys
@@ -74,7 +75,15 @@ from jaxckpt._restore import RestoreStatus
 from jaxckpt._tree import PathLike
 
 # The options a local tier shares with the durable one; the rest (retention) are its own.
-_SHARED = ("checkpoint_name", "step_counter", "checkpoint_interval", "save_interval_steps", "async_save", "clock")
+_SHARED = (
+    "checkpoint_name",
+    "step_counter",
+    "checkpoint_interval",
+    "last_checkpoint_step",
+    "save_interval_steps",
+    "async_save",
+    "clock",
+)
 
 
 class _HostTier(CheckpointManager):
@@ -367,6 +376,25 @@ class TieredManager(CheckpointManager):
             raise
         finally:
             AFTER_READ.reset(token)
+
+    def delete(self, step: int) -> None:
+        """Delete the checkpoints of ``step`` in both tiers (see :meth:`CheckpointManager.delete`),
+        after the local save and the durable copy under way: a step being copied is deleted once
+        copied, in both tiers. Raises CheckpointNotFoundError if neither tier holds ``step``."""
+        step = operator.index(step)
+        self._check_writable("delete")
+        self._local._check_writable("delete")
+        self._local._background.wait()
+        self._background.settle()  # the copy's error stays for the next save (see _report_failed_copy)
+        # Both tiers, even when the first has none: the local tier may hold a step the durable one skipped.
+        in_local = self._local._drop_step(step)
+        self._local._forget_last_step(step)  # the local tier saves: its interval is the one that counts
+        if not self._drop_step(step) and not in_local:
+            raise CheckpointNotFoundError(
+                f"There is no checkpoint of step {step} in either tier: the kept steps are "
+                f"{[c.step for c in self._local._infos]} in {self._local.directory!r} and "
+                f"{[c.step for c in self._infos]} in {self._directory!r}. Give one of those to delete."
+            )
 
     def _drop_local_after(self, step: int) -> None:
         self._keep_local([c for c in self._local._infos if c.step <= step])

@@ -164,6 +164,19 @@ elif mode == "manager-retention":
     mine = [{"prefix": os.path.basename(c.path), "step": c.step, "time": c.time, "metrics": c.metrics} for c in infos]
     assert mine == listed, (mine, listed)
     assert [c["prefix"] for c in listed] == ["ckpt-2", "ckpt-3"], listed
+elif mode == "manager-delete":  # Orbax's rollback: every process calls delete, process 0 deletes
+    ckpt = jaxckpt.Checkpoint(state=state())
+    with jaxckpt.CheckpointManager(ckpt, path) as manager:
+        for step in (1, 2, 3):
+            manager.save(step=step)
+        manager.restore(1)
+        manager.delete(3)
+        manager.delete(2)
+        assert manager.all_steps() == [1], manager.all_steps()
+        assert jaxckpt.latest_checkpoint(path) == os.path.join(path, "ckpt-1")  # listed on every process now
+        manager.save(step=2)
+        manager.wait_until_finished()
+        assert manager.all_steps() == [1, 2], manager.all_steps()
 elif mode in ("tiers-save", "tiers-restore"):  # two tiers: each process's local disk, one durable folder
     local, durable = os.path.join(path, f"local-{pid}"), os.path.join(path, "durable")
 

@@ -418,8 +418,9 @@ def test_checkpoints_saved_without_a_manager_are_adopted(tmp_path):
         assert manager.save() == str(tmp_path / "ckpt-2")
     assert folders(tmp_path) == ["ckpt-2"]  # adopted: retention applies to it like any other
     assert not (tmp_path / "checkpoint.lock").exists()
-    with pytest.raises(jaxckpt.CheckpointExistsError, match="checkpoint_name='ckpt'"):
-        jaxckpt.CheckpointManager(ckpt, tmp_path, checkpoint_name="run")
+    with jaxckpt.CheckpointManager(ckpt, tmp_path, checkpoint_name="run", max_to_keep=1) as manager:
+        assert manager.save() == str(tmp_path / "run-3")  # numbered after another name's: never deleted
+    assert folders(tmp_path) == ["ckpt-2"] and (tmp_path / "run-3").is_dir()
 
 
 # --- the lock ------------------------------------------------------------------------------------

@@ -140,6 +140,66 @@ def test_module_level_latest_checkpoint_after_wait_until_finished(tmp_path):
     manager.close()
 
 
+# --- delete(step) (Orbax's rollback) under failures --------------------------------------------------
+
+
+def test_delete_of_a_step_being_written_waits_for_it(tmp_path, held_save):
+    manager = jaxckpt.CheckpointManager(make_ckpt(), tmp_path)
+    manager.save(step=1)
+    held_save.started.wait()  # step 1 is being written, not listed yet
+    outcome: list[BaseException | None] = []
+
+    def delete() -> None:
+        try:
+            manager.delete(1)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    deleting = threading.Thread(target=delete)
+    deleting.start()
+    held_save.gate.set()
+    deleting.join(timeout=60)
+    assert outcome == [None]  # not "no checkpoint of step 1": it waited for the write, then deleted
+    assert manager.all_steps() == []
+    manager.close()
+    assert not [p.name for p in tmp_path.iterdir() if "ckpt" in p.name]
+
+
+def test_delete_raises_a_failed_background_save_first(tmp_path, held_save):
+    manager = jaxckpt.CheckpointManager(make_ckpt(), tmp_path)
+    manager.save(step=1)
+    held_save.error = OSError(errno.EIO, "Input/output error")
+    held_save.gate.set()
+    with pytest.raises(OSError, match="Input/output error"):
+        manager.delete(1)
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"kept steps are \[\]"):
+        manager.delete(1)
+    manager.close()
+
+
+def test_delete_that_cannot_write_the_state_file_leaves_the_step_listed_and_unmarked(tmp_path, monkeypatch):
+    from jaxckpt import _statefile
+
+    manager = jaxckpt.CheckpointManager(make_ckpt(), tmp_path, async_save=False)
+    manager.save(step=1)
+    manager.save(step=2)
+
+    def full(*args, **kwargs):
+        raise jaxckpt.StorageError("No space left on device", errno.ENOSPC)
+
+    monkeypatch.setattr(_statefile, "write_state", full)
+    with pytest.raises(jaxckpt.StorageError, match="No space"):
+        manager.delete(1)
+    monkeypatch.undo()
+    assert manager.all_steps() == [1, 2]
+    assert not (tmp_path / "ckpt-1" / ".jaxckpt-unrecorded").exists()  # still listed: not garbage
+    manager.delete(1)
+    manager.close()
+    with jaxckpt.CheckpointManager(make_ckpt(), tmp_path) as manager:
+        assert manager.all_steps() == [2]
+
+
 # --- item 6: another checkpoint_name in the same directory -----------------------------------------
 
 
@@ -147,14 +207,24 @@ def test_a_manager_with_another_name_never_deletes_the_first_ones_checkpoints(tm
     with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=1) as first:
         first.save()
         kept = first.save()
-    with pytest.raises(jaxckpt.CheckpointExistsError, match=r"'ckpt-2'.*'run'") as e:
-        jaxckpt.CheckpointManager(make_ckpt(), tmp_path, checkpoint_name="run", max_to_keep=1)
-    assert "checkpoint_name" in str(e.value)
-    assert jaxckpt.latest_checkpoint(tmp_path) == kept
+    # As TensorFlow's managers: it finds the other name's (latest_checkpoint), numbers after them, and
+    # never deletes them, whatever its retention; delete(step) refuses them too.
+    with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, checkpoint_name="run", max_to_keep=1) as second:
+        assert second.latest_checkpoint == kept
+        with pytest.raises(
+            jaxckpt.CheckpointNotFoundError, match=r"only \['ckpt-2'\], which this manager never deletes"
+        ):
+            second.delete(2)
+        second.save()
+        second.save()
+        assert names(second.checkpoints) == ["ckpt-2", "run-4"]
+    assert jaxckpt.latest_checkpoint(tmp_path) == str(tmp_path / "run-4")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == ["ckpt-2"]
     make_ckpt().restore(kept).assert_consumed()
     with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, max_to_keep=1) as again:  # the first name still works
-        assert names(again.checkpoints) == ["ckpt-2"]
+        assert names(again.checkpoints) == ["ckpt-2", "run-4"]
+        again.save()  # its own retention: ckpt-2 goes, run-4 stays
+        assert names(again.checkpoints) == ["run-4", "ckpt-5"]
 
 
 def test_leftovers_of_another_name_are_not_removed(tmp_path):

@@ -152,6 +152,11 @@ def test_process_0_decides_retention_and_the_others_follow(tmp_path):
     ok(run("manager-retention", tmp_path, nproc=2, ndev=2, mesh="2x2"), "manager-retention")
 
 
+def test_delete_across_processes(tmp_path):
+    ok(run("manager-delete", tmp_path, nproc=2, ndev=2, mesh="2x2"), "manager-delete")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "ckpt-1", "ckpt-2"]
+
+
 def test_a_process_killed_mid_save_publishes_nothing(tmp_path, saved_by_two):
     path = tmp_path / "never"
     results = run("save-then-die", path, nproc=2, ndev=2, mesh="2x2", env={"JAXCKPT_BARRIER_TIMEOUT_S": "20"})

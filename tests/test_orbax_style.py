@@ -20,6 +20,7 @@ from flax import nnx
 from guide_model import ToyIterator
 
 import jaxckpt
+from jaxckpt import _storage
 
 
 def _manager(ckpt: jaxckpt.Checkpoint, directory: Path, **kwargs) -> jaxckpt.CheckpointManager:
@@ -88,6 +89,104 @@ def test_a_read_only_manager_restores_by_step(tmp_path):
         assert manager.latest_step() == 7
         manager.restore(7).assert_consumed()
     np.testing.assert_array_equal(reader.w, jnp.ones(2))
+
+
+# --- delete(step): rolling back after a loss spike -------------------------------------------------
+
+
+def _steps_on_disk(directory: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in directory.iterdir() if p.name.startswith("ckpt-"))
+
+
+def test_delete_rolls_back_after_a_loss_spike(tmp_path):
+    """Orbax's rollback: restore step 300, delete 400 and 500, train again and save a new step 400."""
+    ckpt = jaxckpt.Checkpoint(w=jnp.zeros(3))
+    with jaxckpt.CheckpointManager(ckpt, tmp_path, max_to_keep=5) as manager:  # async saves, as Orbax's
+        for step in (100, 200, 300, 400, 500):
+            ckpt.w = jnp.full(3, float(step))
+            manager.save(step)
+        manager.restore(300)  # the loss spiked after 300
+        manager.delete(400)
+        manager.delete(500)
+        assert manager.all_steps() == [100, 200, 300] and manager.latest_step() == 300
+        assert jaxckpt.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-300")  # the state file says so
+        ckpt.w = jnp.full(3, -400.0)  # trained again, differently
+        assert manager.should_save(400)
+        assert manager.save(400) == str(tmp_path / "ckpt-400")
+        manager.wait_until_finished()
+        assert manager.all_steps() == [100, 200, 300, 400]
+    assert _steps_on_disk(tmp_path) == [100, 200, 300, 400]  # 500's folder is gone, not only unlisted
+    fresh = jaxckpt.Checkpoint(w=jnp.zeros(3))
+    with jaxckpt.CheckpointManager(fresh, tmp_path, max_to_keep=5) as manager:
+        assert manager.all_steps() == [100, 200, 300, 400]
+        manager.restore(400).assert_consumed()
+    np.testing.assert_array_equal(fresh.w, jnp.full(3, -400.0))  # the new step 400, not the deleted one
+
+
+def test_delete_of_a_step_being_saved_waits_for_the_save(tmp_path):
+    """The save in flight is finished (and recorded) first, then deleted: never a half-written step."""
+    ckpt = jaxckpt.Checkpoint(w=jnp.ones(1000))
+    with jaxckpt.CheckpointManager(ckpt, tmp_path) as manager:
+        manager.save(1)
+        manager.save(2)  # returns once snapshotted: still being written in the background
+        manager.delete(2)
+        assert manager.all_steps() == [1]
+        manager.wait_until_finished()
+    assert _steps_on_disk(tmp_path) == [1]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging or hidden leftovers
+
+
+def test_delete_refuses_what_it_must_not_delete(tmp_path):
+    ckpt = jaxckpt.Checkpoint(w=jnp.ones(2))
+    with _manager(ckpt, tmp_path) as manager:
+        for step in (1, 2, 3):
+            manager.save(step)
+        with pytest.raises(
+            jaxckpt.CheckpointNotFoundError, match=r"no checkpoint of step 7; its kept steps are \[1, 2, 3\]"
+        ):
+            manager.delete(7)
+        with pytest.raises(TypeError):
+            manager.delete("2")
+    with pytest.raises(jaxckpt.ManagerLockedError, match="closed"):
+        manager.delete(1)
+    with jaxckpt.CheckpointManager(ckpt, tmp_path, read_only=True) as reader:
+        with pytest.raises(jaxckpt.ManagerLockedError, match="read_only=True"):
+            reader.delete(1)
+        assert reader.all_steps() == [1, 2, 3]
+    assert _steps_on_disk(tmp_path) == [1, 2, 3]
+
+
+def test_delete_lets_the_step_be_saved_again_with_a_checkpoint_interval(tmp_path):
+    """TF's checkpoint_interval counts from the step last saved: once that checkpoint is deleted, the
+    same step saves again (the rollback re-trains it)."""
+    ckpt = jaxckpt.Checkpoint(step=0, w=jnp.ones(2))
+    with _manager(ckpt, tmp_path, step_counter="step", checkpoint_interval=5) as manager:
+        ckpt.step = 10
+        manager.save()
+        manager.delete(10)
+        assert manager.save() == str(tmp_path / "ckpt-2")
+        assert manager.all_steps() == [10]
+
+
+def test_delete_in_a_bucket(s3):
+    ckpt = jaxckpt.Checkpoint(w=jnp.ones(2))
+    with _manager(ckpt, s3) as manager:
+        for step in (1, 2, 3):
+            manager.save(step)
+        manager.delete(3)
+        manager.delete(2)
+        assert manager.all_steps() == [1]
+        manager.wait_until_finished()
+        assert not _storage.is_checkpoint(_storage.location(f"{s3}/ckpt-2"))
+        assert not _storage.children(_storage.location(f"{s3}/ckpt-3"))  # every object gone, the index first
+        ckpt.w = jnp.full(2, 5.0)
+        manager.save(2)
+    assert jaxckpt.latest_checkpoint(s3) == f"{s3}/ckpt-2"
+    fresh = jaxckpt.Checkpoint(w=jnp.zeros(2))
+    with _manager(fresh, s3) as manager:
+        assert manager.all_steps() == [1, 2]
+        manager.restore(2).assert_consumed()
+    np.testing.assert_array_equal(fresh.w, jnp.full(2, 5.0))
 
 
 # --- the Orbax docs' NNX training loop, restarted from an abstract model --------------------------

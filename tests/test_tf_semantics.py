@@ -238,6 +238,32 @@ def test_checkpoint_interval_after_a_restart_counts_from_the_restored_step(tmp_p
         assert manager.save() == str(tmp_path / "ckpt-3")
 
 
+def test_checkpoint_interval_with_last_checkpoint_step(tmp_path):
+    """TF's testCheckpointIntervalWithLastCheckpointStep: the interval starts at ``last_checkpoint_step``."""
+    checkpoint = jaxckpt.Checkpoint(step=1, v=np.ones(2))
+    manager = jaxckpt.CheckpointManager(
+        checkpoint,
+        tmp_path,
+        max_to_keep=None,
+        step_counter="step",
+        checkpoint_interval=2,
+        last_checkpoint_step=1,
+        async_save=False,
+    )
+    # step_counter: 1, no checkpoint saved.
+    assert manager.save(check_interval=True) is None
+    # step_counter: 2, no checkpoint saved since the interval starts at 1.
+    checkpoint.step += 1
+    assert manager.save(check_interval=True) is None
+    # step_counter: 3, checkpoint saved.
+    checkpoint.step += 1
+    path = manager.save(check_interval=True)
+    assert os.path.isdir(path)
+    manager.close()
+    with pytest.raises(ValueError, match=r"last_checkpoint_step.*checkpoint_interval"):
+        jaxckpt.CheckpointManager(checkpoint, tmp_path / "other", step_counter="step", last_checkpoint_step=1)
+
+
 # --- keep_checkpoint_every_n_hours as TF defines it ----------------------------------------------
 
 
@@ -302,6 +328,50 @@ def test_a_restarted_manager_counts_hours_from_the_recorded_last_preserved_time(
     assert _names(manager.checkpoints) == ["ckpt-1", "ckpt-2"] == _folders(tmp_path)
 
 
+def test_clock_reset(tmp_path):
+    """TF's testClockReset: a manager whose clock is behind the last preserved time recorded "errs on
+    the side of keeping": every existing checkpoint stays, whatever its options."""
+    clock = FakeClock(10000.0)
+    checkpoint = jaxckpt.Checkpoint(v=np.ones(2))
+    first_manager = jaxckpt.CheckpointManager(
+        checkpoint, tmp_path, max_to_keep=1, keep_checkpoint_every_n_hours=1.0, clock=clock, async_save=False
+    )
+    first_path = first_manager.save()
+    clock.now += 3600.0
+    second_path = first_manager.save()
+    clock.now += 3600.0
+    third_path = first_manager.save()
+    assert not os.path.exists(first_path)
+    assert os.path.isdir(second_path) and os.path.isdir(third_path)
+    # TF lists [third_path]: jaxckpt lists the preserved one too (see the README's differences table).
+    assert first_manager.checkpoints == [second_path, third_path]
+    assert json.loads((tmp_path / "checkpoint").read_text())["last_preserved_time"] == 13600.0
+    # Set the clock back in time
+    clock.now = 5000.0
+    first_manager.close()
+    with pytest.warns(UserWarning, match="behind the last preserved checkpoint"):
+        second_manager = jaxckpt.CheckpointManager(checkpoint, tmp_path, max_to_keep=1, clock=clock, async_save=False)
+    # We should err on the side of keeping checkpoints around when we're not sure whether they were
+    # preserved or not due to clock funkiness.
+    assert os.path.isdir(second_path)
+    assert second_manager.latest_checkpoint == third_path
+    # TF forgets them (checkpoints == []); jaxckpt lists them, preserved: no manager deletes them.
+    assert [c.preserved for c in second_manager.checkpoint_infos] == [True, True]
+    clock.now += 10.0
+    fourth_path = second_manager.save()
+    assert os.path.isdir(second_path) and os.path.isdir(third_path)
+    assert second_manager.latest_checkpoint == fourth_path
+    assert second_manager.checkpoints == [second_path, third_path, fourth_path]
+    clock.now += 10.0
+    fifth_path = second_manager.save()
+    assert os.path.isdir(second_path) and os.path.isdir(third_path)
+    assert second_manager.checkpoints == [second_path, third_path, fifth_path]
+    second_manager.close()
+    state = json.loads((tmp_path / "checkpoint").read_text())
+    assert state["last_preserved_time"] == 5000.0
+    assert [r["time"] for r in state["checkpoints"] if not r.get("preserved")] == [5020.0]
+
+
 def test_state_files_without_the_new_fields_stay_readable(tmp_path):
     (tmp_path / "ckpt-3").mkdir()
     jaxckpt.Checkpoint(v=1).write(tmp_path / "ckpt-3" / "x")  # content does not matter here
@@ -355,6 +425,60 @@ def test_a_manager_adopts_unlisted_complete_checkpoints_and_never_deletes_them(t
     assert _folders(tmp_path) == ["ckpt-1", "ckpt-4", "ckpt-5", "ckpt-9"]
 
 
+def test_continue_from_unmanaged(tmp_path):
+    """TF's testContinueFromUnmanaged: checkpoints that Checkpoint.save wrote under another prefix are
+    found by latest_checkpoint, numbered after, and never deleted."""
+    directory = str(tmp_path)
+    prefix = os.path.join(directory, "unusual_prefix")
+    checkpoint = jaxckpt.Checkpoint(v=np.ones(2))
+    first_path = checkpoint.save(prefix)
+    second_path = checkpoint.save(prefix)
+    del checkpoint
+    checkpoint = jaxckpt.Checkpoint(v=np.zeros(2))
+    manager = jaxckpt.CheckpointManager(checkpoint, directory, max_to_keep=2, async_save=False)
+    checkpoint.restore(manager.latest_checkpoint).assert_consumed()
+    assert checkpoint.save_counter == 2
+    third_path = manager.save()
+    assert third_path == os.path.join(directory, "ckpt-3")
+    # TF lists only its own ([third_path]); jaxckpt lists what it found too, and never deletes it
+    # (see the README's differences table).
+    assert manager.checkpoints == [first_path, second_path, third_path]
+    fourth_path = manager.save()
+    assert manager.checkpoints == [first_path, second_path, third_path, fourth_path]
+    fifth_path = manager.save()
+    assert manager.checkpoints == [first_path, second_path, fourth_path, fifth_path]
+    assert os.path.isdir(first_path)
+    assert os.path.isdir(second_path)
+    assert not os.path.exists(third_path)
+    assert os.path.isdir(fourth_path)
+    assert os.path.isdir(fifth_path)
+    manager.close()
+
+
+def test_custom_checkpoint_prefix(tmp_path):
+    """TF's testCustomCheckpointPrefix: a manager of another checkpoint_name works in the same directory."""
+    directory = str(tmp_path)
+    checkpoint = jaxckpt.Checkpoint(v=np.ones(2))
+    manager = jaxckpt.CheckpointManager(checkpoint, directory, max_to_keep=2, checkpoint_name="ckpt_name")
+    path = manager.save(checkpoint_number=5)
+    assert os.path.basename(path) == "ckpt_name-5"
+    manager.close()  # one manager at a time in a directory (TF: "only one should be active")
+    manager = jaxckpt.CheckpointManager(checkpoint, directory, max_to_keep=2)
+    assert manager.latest_checkpoint == path  # found, as tf.train.latest_checkpoint finds it
+    path = manager.save(checkpoint_number=5)
+    assert os.path.basename(path) == "ckpt-5"
+    # Beyond TF's test: numbering goes on after both, and retention never deletes the other name's.
+    assert [os.path.basename(manager.save()) for _ in range(3)] == ["ckpt-6", "ckpt-7", "ckpt-8"]
+    manager.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == [
+        "ckpt-7",
+        "ckpt-8",
+        "ckpt_name-5",
+    ]
+    with jaxckpt.CheckpointManager(checkpoint, directory, checkpoint_name="other") as manager:
+        assert manager.save() == os.path.join(directory, "other-9")  # a manager that did not restore
+
+
 def test_checkpoint_save_into_a_directory_a_manager_holds_is_refused(tmp_path):
     manager = jaxckpt.CheckpointManager(jaxckpt.Checkpoint(v=1), tmp_path, async_save=False)
     manager.save()
@@ -381,6 +505,81 @@ def test_a_save_a_crash_interrupted_before_it_was_listed_is_still_removed(tmp_pa
     with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(v=0), tmp_path) as manager:
         assert _names(manager.checkpoints) == ["ckpt-1"]
     assert _folders(tmp_path) == ["ckpt-1"]
+
+
+# --- partial restores and object graphs, as TF's checkpoint_test writes them ------------------------
+
+
+def test_partial_restore_warning_attribute(tmp_path):
+    """TF's testPartialRestoreWarningAttribute: an edge ``v1`` that holds an empty object where the
+    file has a value is named by the warning (TF warns at garbage collection, jaxckpt at the next call
+    on the Checkpoint: see the README's differences table)."""
+    original_root = jaxckpt.Checkpoint(v1=np.array(2.0), v2=np.array(3.0))
+    prefix = os.path.join(tmp_path, "ckpt")
+    save_path = original_root.save(prefix)
+    partial_root = jaxckpt.Checkpoint(v1=jaxckpt.Checkpoint(), v2=np.array(0.0))
+    weak_partial_root = weakref.ref(partial_root)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        partial_root.restore(save_path)
+        assert partial_root.v2 == 3.0
+        partial_root.write(os.path.join(tmp_path, "next"))  # the next call reports it
+        del partial_root
+        gc.collect()
+        assert weak_partial_root() is None
+    messages = "\n".join(str(w.message) for w in caught)
+    assert "v1" in messages
+    assert "v2" not in messages
+    assert "expect_partial()" in messages
+
+
+def test_attribute_exception(tmp_path):
+    """TF's testAttributeException."""
+    original_root = jaxckpt.Checkpoint(v1=np.array(2.0), v2=np.array(3.0))
+    save_path = original_root.save(os.path.join(tmp_path, "ckpt"))
+    partial_root = jaxckpt.Checkpoint(v1=jaxckpt.Checkpoint(), v2=np.array(0.0))
+    status = partial_root.restore(save_path)
+    with pytest.raises(AssertionError, match=r"(?s)value\(s\) found no object.*\bv1\b"):
+        status.assert_consumed()
+    status.expect_partial()
+
+
+def test_objects_combined(tmp_path):
+    """TF's testObjectsCombined: two saved objects loaded into one shared Checkpoint."""
+    save_root = jaxckpt.Checkpoint()
+    save_root.dep_one = jaxckpt.Checkpoint(var1=np.array(32.0, np.float64))
+    save_root.dep_two = jaxckpt.Checkpoint(var2=np.array(64.0, np.float64))
+    save_path = save_root.save(os.path.join(tmp_path, "ckpt"))
+    load_root = jaxckpt.Checkpoint()
+    load_root.dep_one = jaxckpt.Checkpoint()
+    load_root.dep_two = load_root.dep_one
+    load_root.dep_one.var1 = np.zeros((), np.float64)
+    load_root.dep_one.var2 = np.zeros((), np.float64)
+    load_root.restore(save_path).assert_consumed().assert_existing_objects_matched()
+    assert load_root.dep_one.var1 == 32.0
+    assert load_root.dep_one.var2 == 64.0
+
+
+def test_ambiguous_load(tmp_path):
+    """TF's testAmbiguousLoad: one saved object split into two is not OK."""
+    save_root = jaxckpt.Checkpoint()
+    save_root.dep_one = jaxckpt.Checkpoint()
+    save_root.dep_two = jaxckpt.Checkpoint()
+    dep_three = jaxckpt.Checkpoint(var=np.array(0.0))
+    save_root.dep_one.dep_three = dep_three
+    save_root.dep_two.dep_three = dep_three
+    save_path = save_root.save(os.path.join(tmp_path, "ckpt"))
+    load_root = jaxckpt.Checkpoint()
+    status = load_root.restore(save_path)
+    load_root.dep_one = jaxckpt.Checkpoint()
+    load_root.dep_two = jaxckpt.Checkpoint()
+    load_root.dep_one.dep_three = jaxckpt.Checkpoint(var=np.array(1.0))
+    load_root.dep_two.dep_three = jaxckpt.Checkpoint(var=np.array(1.0))
+    with pytest.raises(AssertionError):
+        status.assert_consumed()
+    with pytest.raises(AssertionError):
+        status.assert_existing_objects_matched()
+    status.expect_partial()
 
 
 def test_values_still_waiting_for_a_child_keep_no_cycle(tmp_path):

@@ -119,6 +119,30 @@ def test_the_durable_tier_in_a_bucket(tmp_path, bucket):
     np.testing.assert_array_equal(np.asarray(again.w), np.asarray(ckpt.w))
 
 
+def test_delete_rolls_back_in_both_tiers(tmp_path):
+    """Orbax's rollback with two tiers: delete(step) drops the step in the local and the durable tier."""
+    ckpt = _fresh()
+    with _manager(ckpt, tmp_path / "durable", tmp_path / "local") as m:
+        _train(ckpt, m, 12)  # local [10, 12], durable [8, 12]
+        m.restore(10)
+        m.delete(12)  # in both tiers (its durable copy may still be running: it is waited for)
+        assert [c.step for c in m.local_checkpoint_infos] == [10] and m.all_steps() == [8]
+        assert m.latest_step() == 10
+        with pytest.raises(jaxckpt.CheckpointNotFoundError, match=r"no checkpoint of step 9.*\[10\].*\[8\]"):
+            m.delete(9)
+        m.delete(8)  # in the durable tier only
+        assert m.all_steps() == []
+        _train(ckpt, m, STEPS)  # a new step 12, saved and copied again
+        m.wait_until_finished()
+        assert m.all_steps() == [12, 16]
+    for tier in ("local", "durable"):
+        assert jaxckpt.latest_checkpoint(tmp_path / tier) == str(tmp_path / tier / "ckpt-16")
+    assert not (tmp_path / "durable" / "ckpt-8").exists()
+    want_w, want_rng = _reference(tmp_path)
+    np.testing.assert_array_equal(np.asarray(ckpt.w), want_w)  # rolled back to 10, trained on: the same
+    assert int(ckpt.rng) == want_rng
+
+
 def test_a_slow_copy_never_blocks_saving(tmp_path, monkeypatch):
     """The copy runs in its own thread: saves return while it is held; the newest due checkpoint is
     copied next, the ones in between are skipped, and local retention keeps what is being copied."""
