@@ -2,7 +2,7 @@
 by side in one run on an S3 server (moto) and a GCS emulator on loopback, with requests and objects
 counted.
 
-    python benchmarks/buckets.py                       # large and many, both servers, 3 reps (~15 min)
+    python benchmarks/buckets.py                       # large and many, both servers, 3 reps (~20 min)
     python benchmarks/buckets.py --quick               # small sizes, 1 rep: a smoke test (~2 min)
     python benchmarks/buckets.py --servers s3 --workloads large --libs floor,jaxckpt --reps 5
     python benchmarks/buckets.py --jaxckpt-rev HEAD    # measure jaxckpt as committed, not the work tree
