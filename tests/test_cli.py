@@ -383,3 +383,30 @@ def test_ls_manager_directory_shows_the_run_metadata(capsys, tmp_path):
     assert out.splitlines()[1] == '  metadata: {"model": "mlp", "lr": 0.001}'
     code, out, _ = run(capsys, "ls", "--json", directory)
     assert json.loads(out)["metadata"] == {"model": "mlp", "lr": 0.001}
+
+
+# --- version and help --------------------------------------------------------------------------
+
+
+def test_version_prints_the_package_version(capsys):
+    from jaxckpt._version import __version__
+
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and out == f"jaxckpt {__version__}\n" and err == ""
+    result = subprocess.run([sys.executable, "-m", "jaxckpt", "--version"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and result.stdout == f"jaxckpt {__version__}\n", result.stderr
+
+
+def test_every_subcommand_has_a_description_and_help(capsys):
+    from jaxckpt._cli_parser import parser
+
+    (commands,) = [a for a in parser()._actions if a.dest == "command"]
+    helps = {a.dest: a.help for a in commands._choices_actions}  # the one-line help in `jaxckpt --help`
+    assert set(commands.choices) == {"ls", "show", "diff", "verify", "convert"}
+    for name, sub in commands.choices.items():
+        assert sub.description and sub.description.strip(), f"{name} has no description"
+        assert helps[name] and helps[name].strip(), f"{name} has no help"
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+        code, out, _ = run(capsys, name, "--help")
+        assert code == 0 and sub.description.split()[0] in out
