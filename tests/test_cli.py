@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -410,3 +411,43 @@ def test_every_subcommand_has_a_description_and_help(capsys):
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"
         code, out, _ = run(capsys, name, "--help")
         assert code == 0 and sub.description.split()[0] in out
+
+
+# --- two tiers ---------------------------------------------------------------------------------
+
+
+def test_ls_of_either_tier_lists_both_and_never_calls_a_full_tier_empty(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(4, np.float32))
+    options = dict(max_to_keep=2, save_interval_steps=2, durable_interval_steps=4, step_counter="step")
+    # Relative paths, as a training script gives them; ls runs from elsewhere.
+    with jaxckpt.CheckpointManager(ckpt, "durable", local_directory="local", **options) as manager:
+        for step in range(1, 13):
+            ckpt.step = step
+            manager.save(step=step)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for path, tier in [("../local", "local"), ("../durable", "durable"), (f"file://{tmp_path}/local", "local")]:
+        code, out, err = run(capsys, "ls", path)
+        assert code == 0 and err == ""
+        assert "no checkpoints" not in out, out
+        assert out.startswith(f"{path}  ({tier} tier of a two-tier"), out
+        other = "durable" if tier == "local" else "local"
+        assert f"{tmp_path / other}  ({other} tier of a two-tier" in out, out
+        assert "ckpt-8" in out and "ckpt-10" in out  # durable holds 8, 12; local 10, 12
+        doc = json.loads(run(capsys, "ls", "--json", path)[1])
+        assert doc["tier"] == tier and [c["step"] for c in doc["other_tier"]["checkpoints"]] == (
+            [8, 12] if tier == "local" else [10, 12]
+        )
+
+
+def test_ls_says_the_other_tier_has_no_checkpoints_only_when_it_has_none(capsys, tmp_path):
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(4, np.float32))
+    with jaxckpt.CheckpointManager(ckpt, tmp_path / "durable", local_directory=tmp_path / "local") as manager:
+        manager.save(step=1)  # the first save is copied to the durable tier too
+    for name in ("ckpt-1", "checkpoint"):
+        path = tmp_path / "durable" / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    code, out, _ = run(capsys, "ls", tmp_path / "local")
+    assert code == 0 and out.splitlines()[-1] == f"{tmp_path / 'durable'}  (the other tier: no checkpoints)"
+    assert out.count("no checkpoints") == 1
