@@ -451,3 +451,41 @@ def test_ls_says_the_other_tier_has_no_checkpoints_only_when_it_has_none(capsys,
     code, out, _ = run(capsys, "ls", tmp_path / "local")
     assert code == 0 and out.splitlines()[-1] == f"{tmp_path / 'durable'}  (the other tier: no checkpoints)"
     assert out.count("no checkpoints") == 1
+
+
+# --- convert: names kept ----------------------------------------------------------------------
+
+
+def _safetensors_names(path) -> list[str]:
+    raw = Path(path).read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    return sorted(k for k in header if k != "__metadata__")
+
+
+@pytest.mark.parametrize("source", ["golden", "slashes"])
+def test_convert_safetensors_to_jaxckpt_and_back_keeps_names_byte_for_byte(capsys, tmp_path, source):
+    from jaxckpt._formats import safetensors as sf
+
+    if source == "golden":
+        src = Path(__file__).parent / "golden" / "foreign" / "safetensors" / "model.safetensors"
+    else:  # names as other tools write them: dots, slashes (TF/Keras-style), a tilde
+        tensors = {
+            "net.l1.bias": np.arange(3, dtype=np.float32),
+            "net/l1/kernel": np.ones((2, 3), np.float32),
+            "enc~0/w": np.full(2, 7, np.int32),
+            "plain": np.zeros(1, np.float16),
+        }
+        src = tmp_path / "model.safetensors"
+        sf.write(src, [(k, v.dtype, v.shape) for k, v in tensors.items()], tensors.__getitem__)
+    names = _safetensors_names(src)
+    assert run(capsys, "convert", src, tmp_path / "j")[0] == 0
+    assert run(capsys, "convert", tmp_path / "j", tmp_path / "back.safetensors")[0] == 0
+    assert _safetensors_names(tmp_path / "back.safetensors") == names
+    for a, b in [
+        (src, tmp_path / "j"),
+        (src, tmp_path / "back.safetensors"),
+        (tmp_path / "j", tmp_path / "back.safetensors"),
+    ]:
+        code, out, err = run(capsys, "diff", a, b)
+        assert code == 0 and err == "", out
+        assert out.splitlines()[-1].endswith(f"0 with different values, {len(names)} identical")
