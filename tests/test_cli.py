@@ -489,3 +489,10 @@ def test_convert_safetensors_to_jaxckpt_and_back_keeps_names_byte_for_byte(capsy
         code, out, err = run(capsys, "diff", a, b)
         assert code == 0 and err == "", out
         assert out.splitlines()[-1].endswith(f"0 with different values, {len(names)} identical")
+
+
+def test_convert_to_safetensors_refuses_two_keys_that_would_share_a_name(capsys, tmp_path):
+    src = jaxckpt.save(tmp_path / "c", {"a/b": np.zeros(2, np.float32), "a": {"b": np.ones(2, np.float32)}})
+    code, out, err = run(capsys, "convert", src, tmp_path / "m.safetensors")
+    assert code == 1 and "would both be the tensor 'a/b'" in err and "'a~1b'" in err
+    assert not (tmp_path / "m.safetensors").exists()
