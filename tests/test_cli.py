@@ -496,3 +496,22 @@ def test_convert_to_safetensors_refuses_two_keys_that_would_share_a_name(capsys,
     code, out, err = run(capsys, "convert", src, tmp_path / "m.safetensors")
     assert code == 1 and "would both be the tensor 'a/b'" in err and "'a~1b'" in err
     assert not (tmp_path / "m.safetensors").exists()
+
+
+# --- what the command takes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["ls", "show", "diff", "verify", "convert"])
+def test_not_a_checkpoint_says_what_the_command_takes(capsys, tmp_path, command):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    extra = {"show": ["k"], "diff": [folder], "convert": [tmp_path / "out"]}.get(command, [])
+    code, out, err = run(capsys, command, folder, *extra)
+    assert code == (2 if command == "diff" else 1) and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(f"jaxckpt: error: {str(folder)!r} ")
+    assert "pass one of its checkpoints" not in err  # the command takes a manager's directory itself
+    for accepted in ("index.json", "manager's directory", "TensorFlow", "Orbax", "Flax msgpack", "safetensors"):
+        assert accepted in err, (accepted, err)
+    (tmp_path / "notes.txt").write_text("hello")
+    code, _, err = run(capsys, command, tmp_path / "notes.txt", *extra)
+    assert "manager's directory" in err and "pass one of its checkpoints" not in err
