@@ -417,6 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so that flushing stdout at exit fails no more
         return EXIT_FAILURE
+    except NotACheckpointError as e:  # the library's advice, put as the command's
+        _error(_open.command_line_message(e))
+        return args.error_status
     except (JaxckptError, OSError, NotImplementedError) as e:
         # Wrong paths, damaged files, unsupported storage: the message says what and where.
         _error(str(e))
