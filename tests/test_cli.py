@@ -494,7 +494,7 @@ def test_convert_safetensors_to_jaxckpt_and_back_keeps_names_byte_for_byte(capsy
 def test_convert_to_safetensors_refuses_two_keys_that_would_share_a_name(capsys, tmp_path):
     src = jaxckpt.save(tmp_path / "c", {"a/b": np.zeros(2, np.float32), "a": {"b": np.ones(2, np.float32)}})
     code, out, err = run(capsys, "convert", src, tmp_path / "m.safetensors")
-    assert code == 1 and "would both be the tensor 'a/b'" in err and "'a~1b'" in err
+    assert code == 1 and out == "" and "would both be the tensor 'a/b'" in err and "'a~1b'" in err
     assert not (tmp_path / "m.safetensors").exists()
 
 
@@ -515,3 +515,24 @@ def test_not_a_checkpoint_says_what_the_command_takes(capsys, tmp_path, command)
     (tmp_path / "notes.txt").write_text("hello")
     code, _, err = run(capsys, command, tmp_path / "notes.txt", *extra)
     assert "manager's directory" in err and "pass one of its checkpoints" not in err
+
+
+# --- object stores -------------------------------------------------------------------------------
+
+
+def test_ls_of_a_manager_in_an_object_store_prints_every_size(capsys, tmp_path):
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(64, np.float32))
+    run_dir = f"memory://cli-sizes-{tmp_path.name}"  # memory:// lives as long as the process: a fresh name
+    with jaxckpt.CheckpointManager(ckpt, run_dir, max_to_keep=2) as manager:
+        for step in (1, 2):
+            manager.save(step=step)
+    code, out, err = run(capsys, "ls", run_dir)
+    assert code == 0 and err == ""
+    assert "missing" not in out, out
+    rows = out.splitlines()[2:]
+    assert [row.split()[-1] for row in rows] == ["B", "B"] and all(int(row.split()[-2]) > 256 for row in rows), out
+    doc = json.loads(run(capsys, "ls", "--json", run_dir)[1])
+    assert [c["disk_bytes"] > 256 for c in doc["checkpoints"]] == [True, True]
+    # a prefix that holds objects but no checkpoint: the command says what it takes
+    code, _, err = run(capsys, "ls", f"{run_dir}/ckpt-1/data")
+    assert code == 1 and "manager's directory" in err and "local paths only" in err, err
