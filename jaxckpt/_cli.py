@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from jaxckpt import _open, _statefile, _storage
+from jaxckpt._cli_parser import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, parser
 from jaxckpt._describe import json_value, leaf_json, leaf_shape, leaf_type
 from jaxckpt._diff import diff
 from jaxckpt._errors import (
@@ -56,8 +57,6 @@ from jaxckpt._verify import Verified, verify
 
 # Arrays of at most this many elements are printed whole by `show`.
 _PRINT_WHOLE = 100
-
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 class UsageError(Exception):
@@ -400,89 +399,17 @@ def _opened_or_none(path: str | _open.Probe) -> Opened | None:
         return None
 
 
-# --- the parser --------------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jaxckpt",
-        description="Look into, compare, verify and convert checkpoints (jaxckpt's, TensorFlow's, Orbax's, "
-        "Flax msgpack, safetensors).",
-        epilog=(
-            "Exit status: 0 success; 1 failure (no checkpoint, damage, an unreadable file; for diff: the "
-            "checkpoints differ); 2 usage error (for diff: any error). PATH may be a manager's directory: "
-            "ls lists its checkpoints, show and diff use its latest one, verify checks them all."
-        ),
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    pattern_help = "only keys matching a pattern, and what is below them: '*' within one edge, '**' across edges"
-
-    ls = sub.add_parser("ls", help="list keys (or a manager's checkpoints)", description=_cmd_ls_doc)
-    ls.add_argument("path", metavar="PATH")
-    ls.add_argument("patterns", metavar="PATTERN", nargs="*", default=[], help=pattern_help)
-    ls.add_argument("--json", action="store_true", help="print JSON")
-    ls.add_argument("--flat", action="store_true", help="one value a line: key, type, shape or value, bytes")
-    ls.set_defaults(func=_cmd_ls, error_status=EXIT_FAILURE)
-
-    show = sub.add_parser("show", help="one value: dtype, shape, sharding, statistics, values")
-    show.add_argument("path", metavar="PATH")
-    show.add_argument("key", metavar="KEY")
-    show.add_argument(
-        "--values",
-        type=int,
-        default=10,
-        metavar="N",
-        help="how many first values to print (default 10; arrays of up to 100 values are printed whole)",
-    )
-    show.add_argument("--json", action="store_true", help="print JSON")
-    show.set_defaults(func=_cmd_show, error_status=EXIT_FAILURE)
-
-    d = sub.add_parser("diff", help="compare two checkpoints (exit 0 same, 1 different, 2 error)")
-    d.add_argument("a", metavar="A")
-    d.add_argument("b", metavar="B")
-    d.add_argument("patterns", metavar="PATTERN", nargs="*", default=[], help=pattern_help)
-    d.add_argument("--atol", type=float, default=0.0, help="values within this max abs difference count as equal")
-    d.add_argument("--all", action="store_true", help="list identical keys too")
-    d.add_argument("--json", action="store_true", help="print JSON")
-    d.set_defaults(func=_cmd_diff, error_status=EXIT_USAGE)
-
-    v = sub.add_parser("verify", help="read every byte and check every checksum")
-    v.add_argument("path", metavar="PATH")
-    v.add_argument("--json", action="store_true", help="print JSON")
-    v.set_defaults(func=_cmd_verify, error_status=EXIT_FAILURE)
-
-    c = sub.add_parser(
-        "convert",
-        help="any readable checkpoint into a jaxckpt checkpoint, or into a .safetensors file",
-        description=(
-            "Write SRC (any format jaxckpt reads, or a manager's directory: its latest checkpoint) as a new "
-            "checkpoint at DST: a safetensors file if DST ends in .safetensors, else a jaxckpt checkpoint. "
-            "Arrays are read one at a time; values with no numpy form are left out and listed."
-        ),
-    )
-    c.add_argument("src", metavar="SRC")
-    c.add_argument("dst", metavar="DST")
-    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    c.add_argument("--json", action="store_true", help="print JSON")
-    c.set_defaults(func=_cmd_convert, error_status=EXIT_FAILURE)
-    return parser
-
-
-_cmd_ls_doc = (
-    "For a checkpoint: its keys as a tree, with dtype, shape (or value) and size. For a manager's "
-    "directory: its checkpoints, with step, time saved, size on disk and metrics."
-)
+_COMMANDS = {"ls": _cmd_ls, "show": _cmd_show, "diff": _cmd_diff, "verify": _cmd_verify, "convert": _cmd_convert}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script passes it to sys.exit)."""
-    parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser().parse_args(argv)
     except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
-        return args.func(args)
+        return _COMMANDS[args.command](args)
     except UsageError as e:
         _error(str(e))
         return EXIT_USAGE
@@ -490,6 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so that flushing stdout at exit fails no more
         return EXIT_FAILURE
+    except NotACheckpointError as e:  # the library's advice, put as the command's
+        _error(_open.command_line_message(e))
+        return args.error_status
     except (JaxckptError, OSError, NotImplementedError) as e:
         # Wrong paths, damaged files, unsupported storage: the message says what and where.
         _error(str(e))

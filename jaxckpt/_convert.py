@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from jaxckpt import _save
-from jaxckpt._errors import CheckpointExistsError
+from jaxckpt._errors import CheckpointExistsError, UnsupportedValueError
 from jaxckpt._format import SCALAR_TYPES, ArrayLeaf, ValueLeaf
 from jaxckpt._open import open_latest
 from jaxckpt._reader import Opened
 from jaxckpt._templates import NO_TEMPLATE
-from jaxckpt._tree import PathLike, build
+from jaxckpt._tree import PathLike, build, unescape_edge
 
 # Bytes of converted arrays a jaxckpt destination holds before writing them out.
 BUDGET = 64 << 20
@@ -114,20 +114,37 @@ def _to_safetensors(
         raise CheckpointExistsError(f"{dst!r} already exists; pass --overwrite to replace it.")
     specs: list[tuple[str, np.dtype, tuple[int, ...]]] = []
     scalars: dict[str, np.ndarray] = {}
+    keys: dict[str, str] = {}  # tensor name -> key
     for key, leaf in opened.index.leaves.items():
-        if isinstance(leaf, ArrayLeaf):
-            specs.append((key, leaf.dtype, leaf.shape))
-        elif leaf.type in SCALAR_TYPES and leaf.type != "str":  # a Python number: a 0-d tensor
-            scalars[key] = np.asarray(leaf.value)
-            specs.append((key, scalars[key].dtype, ()))
-        else:
+        if not isinstance(leaf, ArrayLeaf) and (leaf.type not in SCALAR_TYPES or leaf.type == "str"):
             result.left_out[key] = f"a Python {leaf.type}: safetensors holds only tensors"
+            continue
+        name = tensor_name(key)
+        if name in keys:
+            raise UnsupportedValueError(
+                f"Cannot write {dst!r}: the keys {keys[name]!r} and {key!r} would both be the tensor {name!r} "
+                "(safetensors names are flat, the edges joined by '/'). Rename one of them, then convert."
+            )
+        keys[name] = key
+        if isinstance(leaf, ArrayLeaf):
+            specs.append((name, leaf.dtype, leaf.shape))
+        else:  # a Python number: a 0-d tensor
+            scalars[key] = np.asarray(leaf.value)
+            specs.append((name, scalars[key].dtype, ()))
 
     def produce(name: str) -> np.ndarray:
-        if name in scalars:
+        key = keys[name]
+        if key in scalars:
             result.values += 1
-            return scalars[name]
-        return read(name)
+            return scalars[key]
+        return read(key)
 
     metadata = {"jaxckpt.source": result.source, "jaxckpt.source_format": result.source_format}
     safetensors.write(dst, specs, produce, metadata)
+
+
+def tensor_name(key: str) -> str:
+    """The safetensors name of a key: its edges as they were named, joined by ``/``. A name read from
+    a safetensors file is one edge (``net/l1/bias`` is the key ``net~1l1~1bias``), so it comes back
+    byte for byte; a nested key (``dense/w``) becomes the name ``dense/w``, as Flax and TF spell it."""
+    return "/".join(unescape_edge(edge) for edge in key.split("/"))

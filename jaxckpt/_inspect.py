@@ -299,6 +299,21 @@ def _metrics_text(metrics: Any) -> str:
     return " ".join(f"{k}={'nan' if v is None else f'{v:.6g}'}" for k, v in metrics.items())
 
 
+def same_place(location: _storage.Location, text: str) -> bool:
+    """Whether ``location`` is the folder ``text`` names, however each is spelt (a relative path,
+    ``file://``, a symlink, a trailing slash): tells which tier of a two-tier run ``ls`` was given."""
+    try:
+        other = _storage.location(text)
+    except JaxckptError:
+        return False
+    if location.local is not None and other.local is not None:
+        return os.path.realpath(location.local) == os.path.realpath(other.local)
+    if location.kv is not None and other.kv is not None:
+        keys = ("driver", "bucket", "path")
+        return all(location.kv.get(k, "").rstrip("/") == other.kv.get(k, "").rstrip("/") for k in keys)
+    return False
+
+
 class ManagerView:
     """The checkpoints a ``CheckpointManager`` keeps in ``directory``, as its state file lists them.
 
@@ -325,8 +340,10 @@ class ManagerView:
         self.tiers = _statefile.read_tiers(location)
         self.tier: str | None = None
         self.other: ManagerView | None = None
+        # The other tier's own view is nested in this one's and says nothing about a third.
+        self._with_other = other_tier
         if self.tiers is not None:
-            local = os.path.abspath(self.directory) == self.tiers["local"]
+            local = same_place(location, self.tiers["local"])
             self.tier = "local" if local else "durable"
             there = _storage.location(self.tiers["durable" if local else "local"])
             if other_tier:
@@ -376,7 +393,7 @@ class ManagerView:
                 lines.append(line.rstrip())
         if self.other is not None:
             lines += ["", self.other.text()]
-        elif self.tiers is not None:
+        elif self.tiers is not None and self._with_other:
             lines += [
                 "",
                 f"{self.tiers['durable' if self.tier == 'local' else 'local']}  (the other tier: no checkpoints)",

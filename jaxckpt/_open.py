@@ -6,7 +6,7 @@ manager's directory (its latest), or another library's checkpoint or manager dir
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from jaxckpt import _formats, _statefile, _storage
 from jaxckpt._errors import CheckpointNotFoundError, NotACheckpointError
@@ -14,6 +14,8 @@ from jaxckpt._foreign_opened import ForeignOpened
 from jaxckpt._format import INDEX_FILE
 from jaxckpt._reader import Opened
 from jaxckpt._tree import PathLike
+
+E = TypeVar("E", bound=Exception)
 
 
 class Probe(NamedTuple):
@@ -56,10 +58,13 @@ def open_checkpoint(path: PathLike | _storage.Location, index: bytes | None = No
         return Opened(location, index)
     except NotACheckpointError as e:
         if location.local is None:
-            raise
-        raise NotACheckpointError(
-            f"{e} Nor is it a checkpoint of another library that jaxckpt reads: a TensorFlow prefix (with "
-            "PREFIX.index beside it), an Orbax checkpoint folder, a Flax msgpack or a safetensors file."
+            raise about(e, location) from None
+        raise about(
+            NotACheckpointError(
+                f"{e} Nor is it a checkpoint of another library that jaxckpt reads: a TensorFlow prefix (with "
+                "PREFIX.index beside it), an Orbax checkpoint folder, a Flax msgpack or a safetensors file."
+            ),
+            location,
         ) from None
 
 
@@ -99,7 +104,7 @@ def open_found(found: Probe) -> Opened:
         _statefile.parse_full_state(location, found.state)  # a `checkpoint` file that no reader takes: say why
     try:
         if not found.checkpoint and location.local is None:  # its index was looked for already
-            raise _storage.no_index(location)
+            raise about(_storage.no_index(location), location)
         return open_checkpoint(location, found.index_bytes)
     except NotACheckpointError as e:
         raise not_a_checkpoint(location, e) from None
@@ -155,3 +160,31 @@ def not_a_checkpoint(folder: _storage.Location, error: NotACheckpointError) -> N
         return error
     shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
     return NotACheckpointError(f"{path!r} is not a checkpoint, but it holds checkpoints: {shown}. Pass one of them.")
+
+
+_ABOUT = "jaxckpt_location"
+
+
+def about(error: E, location: _storage.Location) -> E:
+    """``error``, marked as saying only that nothing jaxckpt reads is at ``location`` (no more specific
+    diagnosis, such as an Orbax folder missing its metadata), for :func:`command_line_message`. Set on
+    the error itself, so that its type stays the one users catch."""
+    if isinstance(error, NotACheckpointError):
+        setattr(error, _ABOUT, location)
+    return error
+
+
+def command_line_message(error: NotACheckpointError) -> str:
+    """What the ``jaxckpt`` command says for ``error``. The library's message tells a caller to pass
+    a manager's checkpoint; the command takes a manager's directory itself, so it lists all it takes."""
+    where = getattr(error, _ABOUT, None)
+    if not isinstance(where, _storage.Location):
+        return str(error)
+    return (
+        f"{where.text!r} is not a checkpoint that jaxckpt reads: it has no {INDEX_FILE} (a jaxckpt checkpoint), "
+        f"no state file {_statefile.STATE_FILE!r} (a CheckpointManager's directory), and is no other tool's "
+        "checkpoint. jaxckpt commands take a checkpoint folder; a manager's directory (its latest checkpoint); "
+        "or a checkpoint of TensorFlow (a prefix such as tf_ckpts/ckpt-5, with PREFIX.index beside it, or its "
+        "manager's directory), Orbax (a checkpoint, an item, or a manager's directory), a Flax msgpack or a "
+        "safetensors file" + (" (other tools' checkpoints from local paths only)." if where.local is None else ".")
+    )

@@ -266,6 +266,9 @@ TIERS_FORMAT = "jaxckpt-tiers"
 
 def write_tiers(local: str, durable: str) -> None:
     """Name both tiers in each tier's directory (``checkpoint.tiers``), for ``jaxckpt ls``."""
+    # Absolute where local: ``jaxckpt ls`` reads the file from any working directory.
+    where = _storage.location(durable).local
+    durable = str(where) if where is not None else durable
     body = json.dumps({"format": TIERS_FORMAT, "local": os.path.abspath(local), "durable": durable}).encode()
     for directory in (local, durable):
         folder = _storage.location(directory)

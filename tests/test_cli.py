@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -383,3 +384,155 @@ def test_ls_manager_directory_shows_the_run_metadata(capsys, tmp_path):
     assert out.splitlines()[1] == '  metadata: {"model": "mlp", "lr": 0.001}'
     code, out, _ = run(capsys, "ls", "--json", directory)
     assert json.loads(out)["metadata"] == {"model": "mlp", "lr": 0.001}
+
+
+# --- version and help --------------------------------------------------------------------------
+
+
+def test_version_prints_the_package_version(capsys):
+    from jaxckpt._version import __version__
+
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and out == f"jaxckpt {__version__}\n" and err == ""
+    result = subprocess.run([sys.executable, "-m", "jaxckpt", "--version"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and result.stdout == f"jaxckpt {__version__}\n", result.stderr
+
+
+def test_every_subcommand_has_a_description_and_help(capsys):
+    from jaxckpt._cli_parser import parser
+
+    (commands,) = [a for a in parser()._actions if a.dest == "command"]
+    helps = {a.dest: a.help for a in commands._choices_actions}  # the one-line help in `jaxckpt --help`
+    assert set(commands.choices) == {"ls", "show", "diff", "verify", "convert"}
+    for name, sub in commands.choices.items():
+        assert sub.description and sub.description.strip(), f"{name} has no description"
+        assert helps[name] and helps[name].strip(), f"{name} has no help"
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+        code, out, _ = run(capsys, name, "--help")
+        assert code == 0 and sub.description.split()[0] in out
+
+
+# --- two tiers ---------------------------------------------------------------------------------
+
+
+def test_ls_of_either_tier_lists_both_and_never_calls_a_full_tier_empty(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(4, np.float32))
+    options = dict(max_to_keep=2, save_interval_steps=2, durable_interval_steps=4, step_counter="step")
+    # Relative paths, as a training script gives them; ls runs from elsewhere.
+    with jaxckpt.CheckpointManager(ckpt, "durable", local_directory="local", **options) as manager:
+        for step in range(1, 13):
+            ckpt.step = step
+            manager.save(step=step)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for path, tier in [("../local", "local"), ("../durable", "durable"), (f"file://{tmp_path}/local", "local")]:
+        code, out, err = run(capsys, "ls", path)
+        assert code == 0 and err == ""
+        assert "no checkpoints" not in out, out
+        assert out.startswith(f"{path}  ({tier} tier of a two-tier"), out
+        other = "durable" if tier == "local" else "local"
+        assert f"{tmp_path / other}  ({other} tier of a two-tier" in out, out
+        assert "ckpt-8" in out and "ckpt-10" in out  # durable holds 8, 12; local 10, 12
+        doc = json.loads(run(capsys, "ls", "--json", path)[1])
+        assert doc["tier"] == tier and [c["step"] for c in doc["other_tier"]["checkpoints"]] == (
+            [8, 12] if tier == "local" else [10, 12]
+        )
+
+
+def test_ls_says_the_other_tier_has_no_checkpoints_only_when_it_has_none(capsys, tmp_path):
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(4, np.float32))
+    with jaxckpt.CheckpointManager(ckpt, tmp_path / "durable", local_directory=tmp_path / "local") as manager:
+        manager.save(step=1)  # the first save is copied to the durable tier too
+    for name in ("ckpt-1", "checkpoint"):
+        path = tmp_path / "durable" / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    code, out, _ = run(capsys, "ls", tmp_path / "local")
+    assert code == 0 and out.splitlines()[-1] == f"{tmp_path / 'durable'}  (the other tier: no checkpoints)"
+    assert out.count("no checkpoints") == 1
+
+
+# --- convert: names kept ----------------------------------------------------------------------
+
+
+def _safetensors_names(path) -> list[str]:
+    raw = Path(path).read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    return sorted(k for k in header if k != "__metadata__")
+
+
+@pytest.mark.parametrize("source", ["golden", "slashes"])
+def test_convert_safetensors_to_jaxckpt_and_back_keeps_names_byte_for_byte(capsys, tmp_path, source):
+    from jaxckpt._formats import safetensors as sf
+
+    if source == "golden":
+        src = Path(__file__).parent / "golden" / "foreign" / "safetensors" / "model.safetensors"
+    else:  # names as other tools write them: dots, slashes (TF/Keras-style), a tilde
+        tensors = {
+            "net.l1.bias": np.arange(3, dtype=np.float32),
+            "net/l1/kernel": np.ones((2, 3), np.float32),
+            "enc~0/w": np.full(2, 7, np.int32),
+            "plain": np.zeros(1, np.float16),
+        }
+        src = tmp_path / "model.safetensors"
+        sf.write(src, [(k, v.dtype, v.shape) for k, v in tensors.items()], tensors.__getitem__)
+    names = _safetensors_names(src)
+    assert run(capsys, "convert", src, tmp_path / "j")[0] == 0
+    assert run(capsys, "convert", tmp_path / "j", tmp_path / "back.safetensors")[0] == 0
+    assert _safetensors_names(tmp_path / "back.safetensors") == names
+    for a, b in [
+        (src, tmp_path / "j"),
+        (src, tmp_path / "back.safetensors"),
+        (tmp_path / "j", tmp_path / "back.safetensors"),
+    ]:
+        code, out, err = run(capsys, "diff", a, b)
+        assert code == 0 and err == "", out
+        assert out.splitlines()[-1].endswith(f"0 with different values, {len(names)} identical")
+
+
+def test_convert_to_safetensors_refuses_two_keys_that_would_share_a_name(capsys, tmp_path):
+    src = jaxckpt.save(tmp_path / "c", {"a/b": np.zeros(2, np.float32), "a": {"b": np.ones(2, np.float32)}})
+    code, out, err = run(capsys, "convert", src, tmp_path / "m.safetensors")
+    assert code == 1 and out == "" and "would both be the tensor 'a/b'" in err and "'a~1b'" in err
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+# --- what the command takes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["ls", "show", "diff", "verify", "convert"])
+def test_not_a_checkpoint_says_what_the_command_takes(capsys, tmp_path, command):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    extra = {"show": ["k"], "diff": [folder], "convert": [tmp_path / "out"]}.get(command, [])
+    code, out, err = run(capsys, command, folder, *extra)
+    assert code == (2 if command == "diff" else 1) and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(f"jaxckpt: error: {str(folder)!r} ")
+    assert "pass one of its checkpoints" not in err  # the command takes a manager's directory itself
+    for accepted in ("index.json", "manager's directory", "TensorFlow", "Orbax", "Flax msgpack", "safetensors"):
+        assert accepted in err, (accepted, err)
+    (tmp_path / "notes.txt").write_text("hello")
+    code, _, err = run(capsys, command, tmp_path / "notes.txt", *extra)
+    assert "manager's directory" in err and "pass one of its checkpoints" not in err
+
+
+# --- object stores -------------------------------------------------------------------------------
+
+
+def test_ls_of_a_manager_in_an_object_store_prints_every_size(capsys, tmp_path):
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(64, np.float32))
+    run_dir = f"memory://cli-sizes-{tmp_path.name}"  # memory:// lives as long as the process: a fresh name
+    with jaxckpt.CheckpointManager(ckpt, run_dir, max_to_keep=2) as manager:
+        for step in (1, 2):
+            manager.save(step=step)
+    code, out, err = run(capsys, "ls", run_dir)
+    assert code == 0 and err == ""
+    assert "missing" not in out, out
+    rows = out.splitlines()[2:]
+    assert [row.split()[-1] for row in rows] == ["B", "B"] and all(int(row.split()[-2]) > 256 for row in rows), out
+    doc = json.loads(run(capsys, "ls", "--json", run_dir)[1])
+    assert [c["disk_bytes"] > 256 for c in doc["checkpoints"]] == [True, True]
+    # a prefix that holds objects but no checkpoint: the command says what it takes
+    code, _, err = run(capsys, "ls", f"{run_dir}/ckpt-1/data")
+    assert code == 1 and "manager's directory" in err and "local paths only" in err, err
