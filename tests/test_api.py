@@ -30,3 +30,17 @@ def test_version_is_one_string():
     from jaxckpt._version import __version__
 
     assert jaxckpt.__version__ == __version__ and __version__.count(".") == 2
+
+
+def test_the_manager_shows_its_parameters():
+    """help(), IDEs and the API reference read the signature: every parameter, typed, not the
+    ``(*args, local_directory=None, **kwargs)`` of the ``__new__`` that picks the two-tier class."""
+    import inspect
+
+    sig = inspect.signature(jaxckpt.CheckpointManager)
+    names = list(sig.parameters)
+    assert names[:3] == ["checkpoint", "directory", "max_to_keep"]
+    for name in ("local_directory", "save_interval_steps", "metadata", "read_only", "policies"):
+        assert name in names and sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+    assert sig.parameters["max_to_keep"].annotation in ("int | None", int | None)
+    assert "local_directory=None" in str(sig) and "**kwargs" not in str(sig)
