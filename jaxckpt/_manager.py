@@ -35,7 +35,7 @@ from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._lock import LOCK_FILE
-from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics
+from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics, signature_of_init
 from jaxckpt._manager_orbax import OrbaxCalls
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 from jaxckpt._preemption import PreemptionHandler, PreemptionSaves
@@ -47,6 +47,7 @@ from jaxckpt._tree import PathLike
 __all__ = ["LOCK_FILE", "STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
 
+@signature_of_init
 class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
     """Numbered checkpoints of one :class:`Checkpoint` in ``directory``, with retention and a state file.
 
