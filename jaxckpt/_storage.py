@@ -463,7 +463,8 @@ def no_index(path: Location) -> CheckpointNotFoundError | NotACheckpointError:
     """The error for ``path``, which has no index: nothing there (a prefix in a kvstore that holds
     nothing), or something that is not a checkpoint."""
     if path.local is None and not children(path):
-        return CheckpointNotFoundError(f"No checkpoint at {path.text!r}: nothing is stored under that prefix.")
+        maybe = " (or the bucket does not exist)" if path.store.get("driver") == "gcs" else ""  # read as empty there
+        return CheckpointNotFoundError(f"No checkpoint at {path.text!r}: nothing is stored under that prefix{maybe}.")
     return NotACheckpointError(
         f"{path.text!r} is not a jaxckpt checkpoint: it has no {INDEX_FILE}. "
         "If it is a manager's directory, pass one of its checkpoints (see jaxckpt.latest_checkpoint)."
