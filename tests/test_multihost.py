@@ -231,3 +231,9 @@ class _Position:
 
     def set_state(self, state):
         self.position = state["position"]
+
+
+def test_each_process_gets_its_own_iterator_state_back_from_the_durable_tier(tmp_path):
+    ok(run("iterator-tiers", tmp_path, nproc=2, ndev=1, mesh="2x1"), "iterator-tiers")
+    leaves = json.loads((tmp_path / "durable" / "ckpt-1" / "index.json").read_text())["leaves"]
+    assert leaves["data"]["type"] == "state_per_process", leaves["data"]
