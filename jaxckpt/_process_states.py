@@ -30,18 +30,19 @@ def _decoded(row: list[Any]) -> ValueLeaf:
     return ValueLeaf(kind, base64.b64decode(value) if kind == "state_bytes" else value)
 
 
-def gather(token: str, index: Index) -> None:
+def gather(token: str, index: Index) -> bool:
     """Every process: hand this process's states to process 0; process 0: record every process's
-    in ``index``. Nothing with one process. Called once per save, by every process, with its token."""
+    in ``index``. Nothing with one process. Called once per save (or copy), by every process, with
+    its token. Whether ``index`` changed (only ever on process 0)."""
     if _multihost.process_count() == 1:
-        return
+        return False
     mine = {k: _encoded(v) for k, v in index.leaves.items() if isinstance(v, ValueLeaf) and v.type in STATE_TYPES}
     client = _multihost._client()
     name = f"jaxckpt/states/{token}"
     if not _multihost.is_primary():
         client.key_value_set(f"{name}/{_multihost.process_index()}", json.dumps(mine, ensure_ascii=False))
-        return
-    rows = [mine]
+        return False
+    rows, changed = [mine], False
     for p in range(1, _multihost.process_count()):
         key = f"{name}/{p}"
         rows.append(json.loads(client.blocking_key_value_get(key, _multihost.timeout_ms())))
@@ -57,3 +58,5 @@ def gather(token: str, index: Index) -> None:
         encoded = [json.dumps(states[key], sort_keys=True) for states in rows]
         if any(e != encoded[0] for e in encoded):
             index.leaves[key] = ValueLeaf("state_per_process", tuple(_decoded(states[key]) for states in rows))
+            changed = True
+    return changed
