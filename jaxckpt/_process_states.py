@@ -37,17 +37,11 @@ def gather(token: str, index: Index) -> bool:
     if _multihost.process_count() == 1:
         return False
     mine = {k: _encoded(v) for k, v in index.leaves.items() if isinstance(v, ValueLeaf) and v.type in STATE_TYPES}
-    client = _multihost._client()
-    name = f"jaxckpt/states/{token}"
-    if not _multihost.is_primary():
-        client.key_value_set(f"{name}/{_multihost.process_index()}", json.dumps(mine, ensure_ascii=False))
+    gathered = _multihost.to_primary(f"states/{token}", json.dumps(mine, ensure_ascii=False))
+    if gathered is None:  # not the primary
         return False
-    rows, changed = [mine], False
-    for p in range(1, _multihost.process_count()):
-        key = f"{name}/{p}"
-        rows.append(json.loads(client.blocking_key_value_get(key, _multihost.timeout_ms())))
-        client.key_value_delete(key)  # read once: a long run's saves must not pile up in the store
-    for key, row in mine.items():
+    rows, changed = [json.loads(text) for text in gathered], False
+    for key in mine:
         missing = next((p for p, states in enumerate(rows) if key not in states), None)
         if missing is not None:
             raise JaxckptError(
