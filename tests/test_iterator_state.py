@@ -117,3 +117,19 @@ def test_a_crafted_per_process_state_is_refused_by_name(tmp_path):
         with pytest.raises(jaxckpt.JaxckptError, match="data"):
             _index_json.decode_index(raw, "index.json")
     del path
+
+
+def test_per_process_states_are_listed_and_converted(tmp_path, capsys):
+    from jaxckpt import _cli
+
+    path = jaxckpt.Checkpoint(data=Counter()).write(tmp_path / "ckpt")
+    _per_process(tmp_path / "ckpt", "data", [{"position": 3}, b"\x00\xff"])
+    assert "state_per_process" in repr(jaxckpt.inspect(path))
+    assert _cli.main(["ls", "--json", str(path)]) == 0
+    listed = {v["key"]: v for v in json.loads(capsys.readouterr().out)["leaves"]}
+    assert listed["data"]["value"] == [
+        {"type": "state", "value": {"position": 3}},
+        {"type": "state_bytes", "value": "AP8="},
+    ]
+    assert _cli.main(["convert", str(path), str(tmp_path / "out")]) == 0
+    assert jaxckpt.restore(tmp_path / "out")["data"] == [{"position": 3}, b"\x00\xff"]
