@@ -232,6 +232,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
 _VALUE_TYPES = {
     "state": "object state (the JSON of get_state(), given to set_state() on restore)",
     "state_bytes": "object state (the bytes of get_state(), given to set_state() on restore; shown as base64)",
+    "state_per_process": "object states, one per process of the run that saved them (each process's set_state() "
+    "gets its own on restore; another process count is refused)",
     "none": "None",
 }
 

@@ -82,7 +82,10 @@ def _to_jaxckpt(
     values: dict[str, Any] = {}
     for key, leaf in opened.index.leaves.items():
         if isinstance(leaf, ValueLeaf):
-            values[key] = _State(leaf.value) if leaf.type in ("state", "state_bytes") else leaf.value
+            if leaf.type == "state_per_process":  # every process's state, carried over as such
+                values[key] = leaf
+            else:
+                values[key] = _State(leaf.value) if leaf.type in ("state", "state_bytes") else leaf.value
             result.values += 1
         elif leaf.prng_impl:  # small, and saved as a key array again
             values[key] = opened.load({key: NO_TEMPLATE})[key]

@@ -29,9 +29,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from jaxckpt import _kvstore, _local_tree, _multihost, _save, _staging, _storage
+from jaxckpt import _kvstore, _local_tree, _multihost, _process_states, _save, _staging, _storage
 from jaxckpt._errors import CheckpointCorruptedError
 from jaxckpt._format import INDEX_FILE, data_store
+from jaxckpt._index_json import decode_index, encode_index
 from jaxckpt._storage import Location
 
 
@@ -84,9 +85,13 @@ def copy_checkpoint(
         staging = _staging.staging_folder(dest, token)
     try:
         _copy_files(source, staging, files, _save.host_memory_budget() if budget is None else budget, on_file)
+        index = (source / INDEX_FILE).read_bytes()
+        if many:  # each process's local index holds its own iterator states: process 0's gets them all
+            parsed = decode_index(index, str(source / INDEX_FILE))
+            if _process_states.gather(token, parsed):
+                index = encode_index(parsed)
         _multihost.barrier(f"{name}/written")
         if me == 0:
-            index = (source / INDEX_FILE).read_bytes()
             _staging.publish(staging, dest, index, overwrite)
             if on_file is not None:
                 on_file(len(index))

@@ -138,6 +138,8 @@ def json_value(value: Any) -> Any:
         return [json_value(v) for v in value]
     if isinstance(value, bytes):  # a state_bytes leaf: as the index holds it
         return base64.b64encode(value).decode("ascii")
+    if isinstance(value, tuple):  # a state_per_process leaf: each process's state, as the index holds them
+        return [{"type": state.type, "value": json_value(state.value)} for state in value]
     return value
 
 

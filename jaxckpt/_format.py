@@ -80,9 +80,14 @@ CONTAINERS: frozenset[str] = frozenset({JAX, NUMPY, NUMPY_SCALAR})
 
 # What a value leaf holds: a Python scalar or str, None, or an object's state: JSON ("state"), or
 # bytes ("state_bytes", base64 in the index), as grain's DataLoader iterator's get_state() returns.
-# A jaxckpt older than "state_bytes" refuses an index with one as an unknown leaf type, by name.
+# In a multi-process run whose processes' states of one key differ (each its own data iterator), the
+# leaf is "state_per_process": a tuple of "state" / "state_bytes" leaves, one per process in process
+# order; each process restores its own, and another process count is refused (as grain reads only the
+# restoring process's own state file). A jaxckpt older than either refuses it as an unknown leaf type, by name.
 ScalarType = Literal["int", "float", "bool", "str"]
-ValueType = Literal["int", "float", "bool", "str", "none", "state", "state_bytes"]
+ValueType = Literal["int", "float", "bool", "str", "none", "state", "state_bytes", "state_per_process"]
+STATE_TYPES: frozenset[str] = frozenset({"state", "state_bytes"})  # one process's state
+MAX_PROCESS_STATES = 1 << 16  # processes of a run whose states an index lists: a crafted list is refused
 SCALAR_TYPES: dict[ScalarType, type] = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -228,7 +233,7 @@ class ArrayLeaf:
 @dataclasses.dataclass(frozen=True)
 class ValueLeaf:
     """A Python scalar, str or None (``type`` in SCALAR_TYPES or "none"), or an object's ``state``
-    (JSON) or ``state_bytes`` (bytes)."""
+    (JSON) or ``state_bytes`` (bytes), or ``state_per_process``: a tuple of those two, one per process."""
 
     type: ValueType
     value: Any

@@ -31,8 +31,10 @@ from jaxckpt._format import (
     MAX_DEVICES,
     MAX_MESHES,
     MAX_PROCESS,
+    MAX_PROCESS_STATES,
     MAX_RANK,
     SCALAR_TYPES,
+    STATE_TYPES,
     ArrayLeaf,
     InArray,
     Index,
@@ -69,6 +71,8 @@ def _leaf_to_json(leaf: Leaf, meshes: Mapping[int, int]) -> dict[str, Any]:
         value = _float_to_json(leaf.value) if leaf.type == "float" else leaf.value
         if leaf.type == "state_bytes":
             value = base64.b64encode(leaf.value).decode("ascii")
+        elif leaf.type == "state_per_process":  # each process's state, in process order
+            value = [_leaf_to_json(state, meshes) for state in leaf.value]
         return {"type": leaf.type, "value": value}
     out: dict[str, Any] = {
         "type": "prng_key" if leaf.prng_impl else "array",
@@ -357,6 +361,16 @@ def _parse_leaf(raw: Any, packs: list[Pack], meshes: list[MeshRecord], version: 
             return ValueLeaf("state_bytes", base64.b64decode(_get(raw, "value", str, where), validate=True))
         except (binascii.Error, ValueError):
             raise _fail(where, "state_bytes value is not base64 text") from None
+    if kind == "state_per_process":
+        states = _get(raw, "value", list, where)
+        if not 1 <= len(states) <= MAX_PROCESS_STATES:
+            raise _fail(where, f"state_per_process lists {len(states)} states, not 1 to {MAX_PROCESS_STATES}")
+        parsed = []
+        for state in states:  # one process's state each: never nested, never an array
+            if _get(state, "type", str, where) not in STATE_TYPES:
+                raise _fail(where, f"state_per_process lists a {state['type']!r} leaf, not a state")
+            parsed.append(_parse_leaf(state, packs, meshes, version, where))
+        return ValueLeaf("state_per_process", tuple(parsed))
     if is_scalar_type(kind):
         if kind == "float":
             value = _get(raw, "value", (int, float, str), where)

@@ -188,3 +188,21 @@ def gather(name: str, value: str) -> list[str]:
     return [
         str(client.blocking_key_value_get(f"jaxckpt/gather/{name}/{p}", timeout_ms())) for p in range(process_count())
     ]
+
+
+def to_primary(name: str, value: str) -> list[str] | None:
+    """The primary: every process's ``value`` for ``name``, in process order; the others: None. Each
+    process calls it once per ``name``; names are never reused. Unlike :func:`gather` the values are
+    deleted once read: one call per save must not pile up in the store over a long run."""
+    if process_count() == 1:
+        return [value]
+    client = _client()
+    if not is_primary():
+        client.key_value_set(f"jaxckpt/to-primary/{name}/{process_index()}", value)
+        return None
+    values = [value]
+    for p in range(1, process_count()):
+        key = f"jaxckpt/to-primary/{name}/{p}"
+        values.append(str(client.blocking_key_value_get(key, timeout_ms())))
+        client.key_value_delete(key)
+    return values

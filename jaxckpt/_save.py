@@ -13,7 +13,7 @@ import crc32c
 import jax
 import numpy as np
 
-from jaxckpt import _format, _multihost, _staging, _statefile, _storage, _tensorstore
+from jaxckpt import _format, _multihost, _process_states, _staging, _statefile, _storage, _tensorstore
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
     DATA_DIR,
@@ -418,6 +418,8 @@ def write_and_publish(p: Prepared) -> str:
         for writer in p.records.writers.values():
             writer.flush()
             writer.finish(p.token)  # the checksums of its arrays, which the index's save names
+        if not p.own_copy:  # an own copy holds this process's states only, as they are
+            _process_states.gather(p.token, p.index)
         _multihost.barrier(f"{p.token}/written")  # every process's bytes are durable
         if primary:
             p.index.save = p.token

@@ -90,6 +90,8 @@ def value_leaf(key: str, x: Any) -> ValueLeaf | None:
         return ValueLeaf("float", float(x))
     if isinstance(x, str):
         return ValueLeaf("str", _utf8(key, str(x)))
+    if isinstance(x, ValueLeaf) and x.type == "state_per_process":  # carried over from a checkpoint (convert)
+        return x
     if is_state_object(x):
         state = x.get_state()
         if isinstance(state, (bytes, bytearray, memoryview)):  # grain's DataLoader iterator's, say

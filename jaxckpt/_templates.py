@@ -25,6 +25,8 @@ NO_TEMPLATE = object()
 
 def held_text(leaf: Leaf) -> str:
     if isinstance(leaf, ValueLeaf):
+        if leaf.type == "state_per_process":
+            return f"the object states of {len(leaf.value)} processes"
         return {"none": "None", "state": "an object state (JSON)", "state_bytes": "an object state (bytes)"}.get(
             leaf.type, f"a Python {leaf.type} ({leaf.value!r})"
         )
@@ -72,8 +74,10 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
             raise _mismatch(key, leaf, template)
         return
     if is_state_object(template):
-        if not (isinstance(leaf, ValueLeaf) and leaf.type in ("state", "state_bytes")):
+        if not (isinstance(leaf, ValueLeaf) and leaf.type in ("state", "state_bytes", "state_per_process")):
             raise _mismatch(key, leaf, template)
+        if leaf.type == "state_per_process":
+            _check_process_count(key, len(leaf.value))
         return
     if isinstance(template, (bool, int, float, str)):
         want = scalar_type(template)
@@ -194,8 +198,23 @@ def _on_mesh_in_context(key: str, sharding: jax.sharding.NamedSharding) -> jax.s
     return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
 
 
+def _check_process_count(key: str, saved: int) -> None:
+    running = jax.process_count()
+    if saved != running:  # never another process's data iterator position, silently
+        raise MismatchError(
+            f"Cannot restore {describe(key)}: the checkpoint holds the object states of {saved} processes, one "
+            f"each (their data iterators differed), but this run has {running} process{'es' if running > 1 else ''}. "
+            f"Restore it with {saved} processes, or restore without this object and start its state afresh."
+        )
+
+
 def restored_value(leaf: Leaf, template: Any, data: Any) -> Any:
     """The restored value: ``data`` (host numpy or a jax.Array) shaped as ``template`` wants."""
+    if isinstance(leaf, ValueLeaf) and leaf.type == "state_per_process":
+        if template is NO_TEMPLATE:  # every process's state, in process order
+            return [state.value for state in leaf.value]
+        template.set_state(leaf.value[jax.process_index()].value)  # this process's own
+        return template  # check() refused another process count
     if isinstance(leaf, ValueLeaf):
         value = leaf.value
         if template is NO_TEMPLATE or template is None or isinstance(template, (bool, int, float, str)):

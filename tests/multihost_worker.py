@@ -5,7 +5,8 @@
 MODE: save | restore (prints the data stores it opened) | save-then-die (process 1 dies by SIGKILL once its bytes are written) |
 manager (two saves through a CheckpointManager) | manager-fail (process 1 fails the first save before
 its token; every process must raise there, and the next save must work) | manager-retention (each
-process has its own clock and metrics; all must keep what process 0 decided). MESH: e.g. 4x2 over all devices of all processes.
+process has its own clock and metrics; all must keep what process 0 decided) | iterator-save, iterator-restore, iterator-tiers (each
+process's data iterator state differs; each gets its own back). MESH: e.g. 4x2 over all devices of all processes.
 Every process builds the same global values from a seed, and checks its own shards after a restore.
 """
 
@@ -177,6 +178,51 @@ elif mode == "manager-delete":  # Orbax's rollback: every process calls delete, 
         manager.save(step=2)
         manager.wait_until_finished()
         assert manager.all_steps() == [1, 2], manager.all_steps()
+elif mode in ("iterator-save", "iterator-restore", "iterator-tiers"):  # each process its own data iterator position
+
+    class Shard:
+        """A data iterator over this process's shard: its state differs per process (bytes on process 1)."""
+
+        def __init__(self):
+            self.position = 0
+
+        def get_state(self):
+            return str(self.position).encode() if pid == 1 else {"position": self.position}
+
+        def set_state(self, state):
+            self.position = int(state) if pid == 1 else state["position"]
+
+    class Epoch(Shard):  # the same on every process: one state, any process count restores it
+        def get_state(self):
+            return {"position": self.position}
+
+        def set_state(self, state):
+            self.position = state["position"]
+
+    data, epoch = Shard(), Epoch()
+    if mode == "iterator-tiers":  # copied from each process's local disk to the durable folder
+        data.position = 10 * (pid + 1)
+        ckpt = jaxckpt.Checkpoint(data=data, epoch=epoch, state=state())
+        durable, local = os.path.join(path, "durable"), os.path.join(path, f"local-{pid}")
+        with jaxckpt.CheckpointManager(ckpt, durable, local_directory=local, durable_interval_steps=1) as manager:
+            manager.save(step=1)
+            manager.wait_until_finished()
+        data.position = 0
+        jaxckpt.Checkpoint(data=data).restore(os.path.join(durable, "ckpt-1"))
+        assert data.position == 10 * (pid + 1), data.position
+    elif mode == "iterator-save":
+        data.position, epoch.position = 10 * (pid + 1), 4
+        ckpt = jaxckpt.Checkpoint(data=data, epoch=epoch, state=state())
+        with jaxckpt.CheckpointManager(ckpt, path) as manager:
+            manager.save(step=1)
+            data.position += 1
+            manager.save(step=2)
+    else:
+        with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(data=data, epoch=epoch), path) as manager:
+            manager.restore(1)
+        assert (data.position, epoch.position) == (10 * (pid + 1), 4), (data.position, epoch.position)
+        jaxckpt.Checkpoint(data=data).restore(os.path.join(path, "ckpt-2"))
+        assert data.position == 10 * (pid + 1) + 1, data.position
 elif mode in ("tiers-save", "tiers-restore"):  # two tiers: each process's local disk, one durable folder
     local, durable = os.path.join(path, f"local-{pid}"), os.path.join(path, "durable")
 

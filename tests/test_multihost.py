@@ -202,3 +202,38 @@ def test_two_tiers_across_processes_restore_locally_only_if_every_process_can(tm
     ok(results, "tiers-restore")
     for _, out in results:
         assert f"restored {durable / 'ckpt-8'} at step 8" in out, out
+
+
+def test_each_process_gets_its_own_iterator_state_back(tmp_path):
+    path = tmp_path / "iterators"
+    ok(run("iterator-save", path, nproc=2, ndev=1, mesh="2x1"), "iterator-save")
+    leaves = json.loads((path / "ckpt-1" / "index.json").read_text())["leaves"]
+    assert leaves["data"] == {
+        "type": "state_per_process",
+        "value": [{"type": "state", "value": {"position": 10}}, {"type": "state_bytes", "value": "MjA="}],
+    }
+    assert leaves["epoch"] == {"type": "state", "value": {"position": 4}}  # the same everywhere: once
+    ok(run("iterator-restore", path, nproc=2, ndev=1, mesh="2x1"), "iterator-restore")
+    # Another process count: refused, naming the key and both counts, never another process's state.
+    with pytest.raises(jaxckpt.MismatchError, match=r"'data'.*2 processes.*1 process"):
+        jaxckpt.Checkpoint(data=_Position()).restore(path / "ckpt-1")
+    epoch = _Position()
+    jaxckpt.Checkpoint(epoch=epoch).restore(path / "ckpt-1")
+    assert epoch.position == 4
+
+
+class _Position:
+    def __init__(self):
+        self.position = 0
+
+    def get_state(self):
+        return {"position": self.position}
+
+    def set_state(self, state):
+        self.position = state["position"]
+
+
+def test_each_process_gets_its_own_iterator_state_back_from_the_durable_tier(tmp_path):
+    ok(run("iterator-tiers", tmp_path, nproc=2, ndev=1, mesh="2x1"), "iterator-tiers")
+    leaves = json.loads((tmp_path / "durable" / "ckpt-1" / "index.json").read_text())["leaves"]
+    assert leaves["data"]["type"] == "state_per_process", leaves["data"]
