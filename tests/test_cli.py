@@ -386,6 +386,24 @@ def test_ls_manager_directory_shows_the_run_metadata(capsys, tmp_path):
     assert json.loads(out)["metadata"] == {"model": "mlp", "lr": 0.001}
 
 
+def test_ls_lists_the_checkpoints_of_a_run_whose_metadata_file_is_damaged(capsys, tmp_path):
+    """The run's metadata is an aside: a damaged checkpoint.metadata is named, and the checkpoints
+    are still listed."""
+    ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(4, np.float32))
+    directory = tmp_path / "ckpts"
+    with jaxckpt.CheckpointManager(ckpt, directory, metadata={"model": "mlp"}) as manager:
+        manager.save(step=10)
+    (directory / "checkpoint.metadata").write_text('{"format": "jaxckpt-run-metadata", "version": 1, "metadata": [')
+    code, out, _ = run(capsys, "ls", directory)
+    assert code == 0 and "ckpt-10" in out  # the checkpoints themselves are whole
+    assert "metadata: damaged" in out and "checkpoint.metadata" in out
+    code, out, _ = run(capsys, "ls", "--json", directory)
+    assert code == 0
+    listed = json.loads(out)
+    assert [c["path"].rsplit("/", 1)[-1] for c in listed["checkpoints"]] == ["ckpt-10"]
+    assert listed["metadata"] is None and "checkpoint.metadata" in listed["metadata_problem"]
+
+
 # --- version and help --------------------------------------------------------------------------
 
 
