@@ -39,7 +39,7 @@ from jaxckpt._describe import (
     selected,
     short_value,
 )
-from jaxckpt._errors import JaxckptError
+from jaxckpt._errors import CheckpointFormatError, JaxckptError
 from jaxckpt._format import INDEX_FILE, ArrayLeaf, Index, Leaf, ValueLeaf
 from jaxckpt._index_json import decode_index
 from jaxckpt._open import Probe, is_manager_directory, open_found, probe
@@ -335,7 +335,12 @@ class ManagerView:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(names)))) as pool:
             sizes = list(pool.map(lambda name: disk_bytes(location / name), names))
         self.disk_bytes: dict[str, int | None] = {c.path: size for c, size in zip(self.checkpoints, sizes)}
-        self.metadata = _run_metadata.read(location)  # None: none recorded
+        # The run's metadata (None: none recorded) is an aside: damage to it is named, not fatal here.
+        self.metadata_problem: str | None = None
+        try:
+            self.metadata = _run_metadata.read(location)
+        except CheckpointFormatError as e:
+            self.metadata, self.metadata_problem = None, str(e)
         # A two-tier manager's directory (jaxckpt._tiers): which tier this is, and the other one's view.
         self.tiers = _statefile.read_tiers(location)
         self.tier: str | None = None
@@ -381,6 +386,8 @@ class ManagerView:
     def text(self) -> str:
         what = f"{self.tier} tier of a two-tier " if self.tier else ""
         lines = [f"{self.directory}  ({what}CheckpointManager directory: {self.summary()})"]
+        if self.metadata_problem:
+            lines.append(f"  metadata: damaged ({self.metadata_problem})")
         if self.metadata:
             text = json.dumps(self.metadata, ensure_ascii=False)
             lines.append(f"  metadata: {text if len(text) <= 200 else text[:197] + '...'}")
@@ -410,6 +417,7 @@ class ManagerView:
             "tier": self.tier,
             "tiers": self.tiers,
             "metadata": self.metadata,
+            "metadata_problem": self.metadata_problem,
             "other_tier": self.other.to_json() if self.other is not None else None,
             "latest": self.checkpoints[-1].path if self.checkpoints else None,
             "checkpoints": [
