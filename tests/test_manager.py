@@ -335,6 +335,24 @@ def test_leftovers_cleaned_at_start(tmp_path):
         make_ckpt().restore(path).assert_consumed()
 
 
+def test_leftover_temp_files_of_the_run_metadata_and_tiers_file_are_cleaned_at_start(tmp_path):
+    """checkpoint.metadata and checkpoint.tiers are replaced as the state file is (a temp file, then
+    a rename): what a crash in between leaves goes at the next start, as the state file's does."""
+    with jaxckpt.CheckpointManager(make_ckpt(), tmp_path, metadata={"a": 1}) as manager:
+        manager.save()
+    (tmp_path / ".checkpoint.metadata.tmp-0123456789ab").write_text("{")
+    (tmp_path / ".checkpoint.tiers.tmp-0123456789ab").write_text("{")
+    (tmp_path / ".checkpoint.metadata.tmp-mine").write_text("not a token jaxckpt makes: left alone")
+    with jaxckpt.CheckpointManager(make_ckpt(), tmp_path) as manager:
+        assert manager.metadata() == {"a": 1}
+    assert sorted(os.listdir(tmp_path)) == [
+        ".checkpoint.metadata.tmp-mine",
+        "checkpoint",
+        "checkpoint.metadata",
+        "ckpt-1",
+    ]
+
+
 class Crash(BaseException):
     """Stands for the process dying: nothing catches it."""
 
