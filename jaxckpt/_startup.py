@@ -24,6 +24,7 @@ from jaxckpt import _retention, _staging, _statefile, _storage
 from jaxckpt._errors import CheckpointExistsError, ManagerLockedError
 from jaxckpt._manager_options import ManagerOptions
 from jaxckpt._policies import CheckpointInfo
+from jaxckpt._run_metadata import METADATA_FILE
 
 
 def make_directory(local: Path, directory: str) -> None:
@@ -161,14 +162,17 @@ def remove_leftovers(
 ) -> None:
     """Remove what crashed saves and deletions left: never a listed checkpoint, never a user's file.
 
-    Only names that jaxckpt makes, with its tokens: temp state files (regular files only), this
-    name's staging and replaced folders, and this name's numbered folders that nothing lists.
+    Only names that jaxckpt makes, with its tokens: temp files of the state, tiers and run metadata
+    files (regular files only), this name's staging and replaced folders, and this name's numbered
+    folders that nothing lists.
     """
     listed = {os.path.basename(c.path) for c in infos}
     marks = f"{re.escape(_staging.PARTIAL_MARK)}|{re.escape(_staging.REPLACED_MARK)}"  # see _staging.staging_folder and publish
     staging = re.compile(rf"\.{re.escape(options.name)}-[0-9]+({marks})[0-9a-f]{{12}}")
+    # The temp files of the small files replaced whole beside the state file (see write_file_atomic).
+    temps = [_storage.temp_file_pattern(n) for n in (_statefile.STATE_FILE, _statefile.TIERS_FILE, METADATA_FILE)]
     for name in _storage.children(folder) if names is None else names:
-        if _statefile.TEMP_FILE.fullmatch(name):
+        if any(temp.fullmatch(name) for temp in temps):
             if folder.local is not None:
                 path = folder.local / name
                 if path.is_file() and not path.is_symlink():

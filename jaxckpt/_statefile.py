@@ -23,8 +23,8 @@ time that rule counts its hours from (TensorFlow's ``last_preserved_timestamp``)
 size (``_storage.read_file``) and every field is checked before use.
 
 The writer replaces the file atomically through a temp file ``.checkpoint.tmp-<12 hex digits>``
-beside it; :data:`TEMP_FILE` recognises exactly those names, so that a manager removing what a
-crash left behind never touches a user's file.
+beside it; ``_storage.temp_file_pattern`` recognises exactly those names, so that a manager removing
+what a crash left behind (:func:`jaxckpt._startup.remove_leftovers`) never touches a user's file.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ STATE_FILE = "checkpoint"
 STATE_FORMAT = "jaxckpt-manager-state"
 STATE_VERSION = 1
 PREFIX = re.compile(r"[^/\\\x00]+")  # one path component: a listed prefix can never point elsewhere
-# What _storage.write_file_atomic leaves when a crash interrupts a write of the state file.
-TEMP_FILE = _storage.temp_file_pattern(STATE_FILE)
 # A file inside a checkpoint folder saved by a manager or Checkpoint.save, until the state file lists
 # it: a folder that still has it and is not listed is a save that a crash interrupted (garbage the next
 # manager removes), not a checkpoint someone put there (which a manager adopts).
