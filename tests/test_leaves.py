@@ -177,3 +177,14 @@ def test_the_per_leaf_work_runs_with_the_garbage_collector_paused(tmp_path):
         gc.set_threshold(*threshold)
     assert gc.isenabled()
     np.testing.assert_array_equal(restored["k2999"], tree["k2999"])
+
+
+def test_a_numpy_float64_scalar_comes_back_as_one(tmp_path):
+    """np.float64 subclasses Python's float, but it is a NumPy scalar like np.float32: it is saved as
+    one and restores as one, with or without a template (it was saved as a Python float, and a
+    template of np.float64 then refused it)."""
+    tree = {"x": np.float64(32.0), "y": np.float32(2.0), "z": 1.5}
+    path = jaxckpt.save(tmp_path / "c", tree)
+    for restored in (jaxckpt.restore(path), jaxckpt.restore(path, like=tree)):
+        assert type(restored["x"]) is np.float64 and restored["x"] == 32.0
+        assert type(restored["y"]) is np.float32 and type(restored["z"]) is float
