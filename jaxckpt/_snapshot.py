@@ -82,6 +82,8 @@ def _utf8(key: str, x: str) -> str:
 def value_leaf(key: str, x: Any) -> ValueLeaf | None:
     if x is None:
         return ValueLeaf("none", None)
+    if isinstance(x, np.generic):  # np.float64 is a Python float too, but it is stored as NumPy scalars are
+        return None
     if isinstance(x, bool):
         return ValueLeaf("bool", x)
     if isinstance(x, int):

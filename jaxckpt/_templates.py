@@ -35,10 +35,15 @@ def held_text(leaf: Leaf) -> str:
     return f"a {leaf.dtype.name} array of shape {leaf.shape}"
 
 
+def _python_scalar(template: Any) -> bool:
+    """A Python bool, int, float or str (np.float64 subclasses float, but is a NumPy scalar)."""
+    return isinstance(template, (bool, int, float, str)) and not isinstance(template, np.generic)
+
+
 def expected_text(template: Any) -> str:
     if template is None:
         return "None"
-    if isinstance(template, (bool, int, float, str)):
+    if _python_scalar(template):
         return f"a Python {type(template).__name__}"
     if is_state_object(template):
         return f"an object state (for {type(template).__name__}.set_state)"
@@ -79,7 +84,7 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
         if leaf.type == "state_per_process":
             _check_process_count(key, len(leaf.value))
         return
-    if isinstance(template, (bool, int, float, str)):
+    if _python_scalar(template):
         want = scalar_type(template)
         if isinstance(leaf, ValueLeaf) and leaf.type == want:
             return
@@ -217,7 +222,7 @@ def restored_value(leaf: Leaf, template: Any, data: Any) -> Any:
         return template  # check() refused another process count
     if isinstance(leaf, ValueLeaf):
         value = leaf.value
-        if template is NO_TEMPLATE or template is None or isinstance(template, (bool, int, float, str)):
+        if template is NO_TEMPLATE or template is None or _python_scalar(template):
             return value
         if is_state_object(template):
             template.set_state(value)
@@ -232,7 +237,7 @@ def restored_value(leaf: Leaf, template: Any, data: Any) -> Any:
 
 def _as_array_template(template: Any, data: Any, prng_impl: str | None) -> Any:
     """Array ``data`` (key data if ``prng_impl``) as an array or scalar template wants."""
-    if isinstance(template, (bool, int, float)):
+    if _python_scalar(template) and not isinstance(template, str):
         return type(template)(np.asarray(data).item())
     if isinstance(template, np.generic):
         return np.asarray(data)[()]
