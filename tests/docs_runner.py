@@ -12,7 +12,8 @@ Conventions for pages (they render unchanged on GitHub and in Sphinx with MyST):
   block that cannot run here: a real bucket, a TPU pod). Keep those rare.
 - A fenced ``console`` block holds commands, each on a line starting with ``$ ``, followed by the
   output it prints (stdout and stderr together). ``jaxckpt`` runs as ``python -m jaxckpt`` of this
-  interpreter. An output line may hold ``...``, which matches any text (times, temporary paths).
+  interpreter. An output line may hold ``...``, which matches any text (temporary paths), and a date
+  and time (``2026-11-26 15:46:28``) matches any other.
   Output is compared line by line after stripping trailing spaces; ``--update`` rewrites the
   output of every command whose output does not match. A console block preceded by
   ``<!-- docs: no-output -->`` runs its commands without comparing their output.
@@ -34,6 +35,7 @@ import sys
 from pathlib import Path
 
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)$")
+TIME = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d(\.\d+)?)?")  # any date and time matches any other
 MARKER = re.compile(r"<!--\s*docs:\s*(?P<what>[a-z-]+)\b(?P<rest>.*?)-->")
 
 
@@ -107,6 +109,7 @@ def matches(expected: list[str], actual: list[str]) -> bool:
         return lines
 
     expected, actual = strip(expected), strip(actual)
+    expected, actual = [TIME.sub("<time>", x) for x in expected], [TIME.sub("<time>", x) for x in actual]
     if len(expected) != len(actual):
         return False
     for e, a in zip(expected, actual):
@@ -174,9 +177,10 @@ def main() -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["COLUMNS"] = "100"
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    os.chdir(args.workdir)  # and stay there: a background save of the page's may still be writing
-    problems = run_page(args.page.resolve(), args.workdir.resolve(), args.update)
+    page, workdir = args.page.resolve(), args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.chdir(workdir)  # and stay there: a background save of the page's may still be writing
+    problems = run_page(page, workdir, args.update)
     for p in problems:
         print(p, file=sys.stderr)
     if problems:

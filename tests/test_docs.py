@@ -80,6 +80,13 @@ def test_runner_reads_blocks_markers_and_outputs():
     assert docs_runner.matches(cmds[0].expected, ["jaxckpt 0.9.0"])
     assert not docs_runner.matches(cmds[0].expected, ["something else"])
     assert not docs_runner.matches(cmds[0].expected, ["jaxckpt 0.9.0", "and more"])
+    # A date and time matches any other, so listings with save times do not drift.
+    assert docs_runner.matches(
+        ["  ckpt-3  30  2026-11-26 15:46:28  3.1 KiB"], ["  ckpt-3  30  2027-01-02 03:04:05  3.1 KiB"]
+    )
+    assert not docs_runner.matches(
+        ["  ckpt-3  30  2026-11-26 15:46:28  3.1 KiB"], ["  ckpt-3  31  2027-01-02 03:04:05  3.1 KiB"]
+    )
 
 
 def test_update_rewrites_drifted_output(tmp_path):

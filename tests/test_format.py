@@ -96,7 +96,7 @@ def test_ten_thousand_leaves_make_a_handful_of_files(tmp_path):
 
 
 def test_arrays_are_readable_with_tensorstore_alone(tmp_path):
-    """What the README's Format section promises someone who never installed jaxckpt."""
+    """What docs/format.md promises someone who never installed jaxckpt."""
     rng = np.random.default_rng(0)
     big = rng.standard_normal((700, 400)).astype(np.float32)
     small = np.arange(7, dtype=np.int16)

@@ -19,7 +19,7 @@ def _module_names() -> set[str]:
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_each_module_stays_within_500_lines(path):
     lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.name} has {lines} lines; split it by job (see README, Layout of the code)"
+    assert lines <= MAX_LINES, f"{path.name} has {lines} lines; split it by job (see docs/architecture.md)"
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))

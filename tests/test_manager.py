@@ -609,7 +609,7 @@ with jaxckpt.CheckpointManager(ckpt, sys.argv[1], max_to_keep=2, metadata={"lr":
 
 
 def test_an_evaluator_process_follows_a_trainer_process(tmp_path):
-    """The README's evaluation job: a read-only manager, opened before the trainer's first save,
+    """The evaluation job of docs/training-loops.md: a read-only manager, opened before the trainer's first save,
     restores each step the trainer saves as it appears (the trainer waits for it by a pipe)."""
     evaluated = make_ckpt()
     evaluator = jaxckpt.CheckpointManager(evaluated, tmp_path, read_only=True)

@@ -343,7 +343,7 @@ def test_clock_reset(tmp_path):
     third_path = first_manager.save()
     assert not os.path.exists(first_path)
     assert os.path.isdir(second_path) and os.path.isdir(third_path)
-    # TF lists [third_path]: jaxckpt lists the preserved one too (see the README's differences table).
+    # TF lists [third_path]: jaxckpt lists the preserved one too (see docs/from-tensorflow.md's differences table).
     assert first_manager.checkpoints == [second_path, third_path]
     assert json.loads((tmp_path / "checkpoint").read_text())["last_preserved_time"] == 13600.0
     # Set the clock back in time
@@ -441,7 +441,7 @@ def test_continue_from_unmanaged(tmp_path):
     third_path = manager.save()
     assert third_path == os.path.join(directory, "ckpt-3")
     # TF lists only its own ([third_path]); jaxckpt lists what it found too, and never deletes it
-    # (see the README's differences table).
+    # (see docs/from-tensorflow.md's differences table).
     assert manager.checkpoints == [first_path, second_path, third_path]
     fourth_path = manager.save()
     assert manager.checkpoints == [first_path, second_path, third_path, fourth_path]
@@ -513,7 +513,7 @@ def test_a_save_a_crash_interrupted_before_it_was_listed_is_still_removed(tmp_pa
 def test_partial_restore_warning_attribute(tmp_path):
     """TF's testPartialRestoreWarningAttribute: an edge ``v1`` that holds an empty object where the
     file has a value is named by the warning (TF warns at garbage collection, jaxckpt at the next call
-    on the Checkpoint: see the README's differences table)."""
+    on the Checkpoint: see docs/from-tensorflow.md's differences table)."""
     original_root = jaxckpt.Checkpoint(v1=np.array(2.0), v2=np.array(3.0))
     prefix = os.path.join(tmp_path, "ckpt")
     save_path = original_root.save(prefix)
