@@ -80,6 +80,11 @@ def test_runner_reads_blocks_markers_and_outputs():
     assert docs_runner.matches(cmds[0].expected, ["jaxckpt 0.9.0"])
     assert not docs_runner.matches(cmds[0].expected, ["something else"])
     assert not docs_runner.matches(cmds[0].expected, ["jaxckpt 0.9.0", "and more"])
+    # Decimal numbers match within 0.1%, columns may shift with their width; integers match exactly.
+    assert docs_runner.matches(["* ckpt-5  50  3.2 KiB  loss=8.12855"], ["* ckpt-5  50  3.2 KiB  loss=8.1286"])
+    assert docs_runner.matches(["mean   3.52238"], ["mean     3.5224"])
+    assert not docs_runner.matches(["mean   3.52238"], ["mean   3.6"])
+    assert not docs_runner.matches(["bytes 448..468"], ["bytes 448..469"])
     # A date and time matches any other, so listings with save times do not drift.
     assert docs_runner.matches(
         ["  ckpt-3  30  2026-11-26 15:46:28  3.1 KiB"], ["  ckpt-3  30  2027-01-02 03:04:05  3.1 KiB"]
