@@ -43,8 +43,12 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "notes.txt").write_text("hi")
     (tmp_path / "file").write_text("x")
-    with pytest.raises(jaxckpt.NotACheckpointError, match=r"no index\.json"):
+    with pytest.raises(jaxckpt.NotACheckpointError, match=r"no index\.json") as e:
         jaxckpt.restore(tmp_path / "dir")
+    # restore takes a manager's directory itself: the message says what one would hold, and does not
+    # tell the user to pass one of its checkpoints.
+    assert "pass one of its checkpoints" not in str(e.value)
+    assert "state file ('checkpoint')" in str(e.value)
     with pytest.raises(jaxckpt.NotACheckpointError, match="is a file"):
         jaxckpt.load_variable(tmp_path / "file", "a")
     (tmp_path / "fake").mkdir()
