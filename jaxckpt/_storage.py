@@ -467,7 +467,7 @@ def no_index(path: Location) -> CheckpointNotFoundError | NotACheckpointError:
         return CheckpointNotFoundError(f"No checkpoint at {path.text!r}: nothing is stored under that prefix{maybe}.")
     return NotACheckpointError(
         f"{path.text!r} is not a jaxckpt checkpoint: it has no {INDEX_FILE}. "
-        "If it is a manager's directory, pass one of its checkpoints (see jaxckpt.latest_checkpoint)."
+        "Nor is it a manager's directory, which holds a state file ('checkpoint') naming its checkpoints."
     )
 
 
