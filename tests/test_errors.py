@@ -282,3 +282,12 @@ def test_overwrite_swaps_in_one_step_on_linux(tmp_path, monkeypatch):
     jaxckpt.save(path, {"a": 2}, overwrite=True)
     assert jaxckpt.restore(path) == {"a": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_load_variable_of_a_missing_key_says_how_to_list_the_keys(tmp_path):
+    path = jaxckpt.save(tmp_path / "c", {"net": {"kernel": np.ones(2, np.float32)}})
+    with pytest.raises(jaxckpt.MissingKeyError) as e:
+        jaxckpt.load_variable(path, "q")  # nothing close to it: say how to see what there is
+    assert "'q'" in str(e.value) and "jaxckpt.list_variables" in str(e.value) and "jaxckpt ls" in str(e.value)
+    with pytest.raises(jaxckpt.MissingKeyError, match="Did you mean 'net/kernel'"):
+        jaxckpt.load_variable(path, "net/kernal")
