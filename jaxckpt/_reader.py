@@ -162,7 +162,11 @@ class Opened:
                 "which has no numpy form; jaxckpt lists it and does not restore it."
             )
         close = difflib.get_close_matches(key, list(self.index.leaves), n=3, cutoff=0.5)
-        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        hint = (
+            f" Did you mean {', '.join(map(repr, close))}?"
+            if close
+            else " jaxckpt.list_variables(path) (or `jaxckpt ls PATH`) lists its keys."
+        )
         if key in self.index.nodes:
             hint = f" It is a node; its leaves include {', '.join(map(repr, self.index.keys_under(key)[:3]))}."
         return f"The {what} {str(self.path)!r} has no value {describe(key)}.{hint}"
