@@ -22,10 +22,8 @@ def _text(output) -> str:
     return data.get("text/plain", "")
 
 
-@pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    """The notebook, executed in a fresh folder (it writes its checkpoints there), with its outputs."""
-    workdir = tmp_path_factory.mktemp("notebook")
+def _execute(workdir: Path):
+    """The notebook, executed in ``workdir`` (it writes its checkpoints there), with its outputs."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # The kernel inherits this process's environment: JAX on CPU, as tests/conftest.py sets it. Less
     # JAXCKPT_PIP, which would make the first cell install over .venv's jaxckpt.
@@ -35,7 +33,14 @@ def executed(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("JAXCKPT_PIP", raising=False)
         client.execute()  # raises CellExecutionError, with the cell and its traceback, if a cell fails
-    return nb, workdir
+    return nb
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """The notebook, executed in a fresh folder, with its outputs; and the folder."""
+    workdir = tmp_path_factory.mktemp("notebook")
+    return _execute(workdir), workdir
 
 
 def _cell(nb, source_fragment: str):
@@ -47,13 +52,17 @@ def _all_text(cell) -> str:
     return "".join(_text(o) for o in cell.outputs)
 
 
-def test_notebook_runs_without_errors_and_writes_checkpoints(executed):
-    nb, workdir = executed
+def _assert_clean(nb):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
     # No warnings either: deprecations, unused restore values, fork-in-a-threaded-process...
     stderr = [o.text for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("name") == "stderr"]
     assert not stderr
+
+
+def test_notebook_runs_without_errors_and_writes_checkpoints(executed):
+    nb, workdir = executed
+    _assert_clean(nb)
     assert sorted(p.name for p in (workdir / "ckpts").iterdir() if p.name.startswith("ckpt-")) == [
         "ckpt-10",
         "ckpt-8",
@@ -175,3 +184,19 @@ def test_coming_from_orbax_restores_into_abstract_models(executed):
         "ckpt-10",
         "ckpt-5",
     ]
+
+
+def test_notebook_runs_again_in_the_same_folder(executed):
+    """Run from the top a second time where it ran already (the first run's files are there), it
+    starts from a clean slate and prints what it printed the first time."""
+    first, workdir = executed
+    again = _execute(workdir)
+    _assert_clean(again)
+    for fragment in [
+        "def train_and_checkpoint",
+        "manager.close()",
+        "print(manager.checkpoints)",
+        "mngr.save(step=step)",
+    ]:
+        assert _all_text(_cell(again, fragment)) == _all_text(_cell(first, fragment)), fragment
+    assert _all_text(_cell(again, "save.save(")) == _all_text(_cell(first, "save.save("))
