@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 
@@ -82,30 +81,30 @@ def test_install_cell_does_nothing_where_jaxckpt_is_installed(executed):
     assert _install_cell(nb).outputs == []
 
 
+JAXCKPT_PYPROJECT = '[project]\nname = "jaxckpt"\n'
+
+
 @pytest.mark.parametrize(
-    ("pip_env", "wheels", "installed", "expected"),
+    ("pip_env", "pyproject", "installed", "expected"),
     [
         # JAXCKPT_PIP first, even where jaxckpt is installed (a wheel uploaded to a Colab session)
-        ("/content/jaxckpt-0.2.0-py3-none-any.whl", ["jaxckpt-0.2.0-py3-none-any.whl"], True,
-         "/content/jaxckpt-0.2.0-py3-none-any.whl"),
-        # next to the repository: the newest wheel in ../dist (by time: 0.10.0 sorts before 0.9.0)
-        (None, ["jaxckpt-0.9.0-py3-none-any.whl", "jaxckpt-0.10.0-py3-none-any.whl"], False,
-         "../dist/jaxckpt-0.10.0-py3-none-any.whl[flax]"),
-        # anywhere else: the package index
-        (None, [], False, "jaxckpt[flax]"),
+        ("/content/jaxckpt-0.2.0-py3-none-any.whl", JAXCKPT_PYPROJECT, True, "/content/jaxckpt-0.2.0-py3-none-any.whl"),
+        # in a checkout (the notebook in its colab/ folder): the checkout, with the flax extra
+        (None, JAXCKPT_PYPROJECT, False, "{checkout}[flax]"),
+        # beside another project, or anywhere else: the package index
+        (None, '[project]\nname = "other"\n', False, "jaxckpt[flax]"),
+        (None, None, False, "jaxckpt[flax]"),
         # installed already (the repository's .venv): nothing
-        (None, ["jaxckpt-0.2.0-py3-none-any.whl"], True, None),
+        (None, JAXCKPT_PYPROJECT, True, None),
     ],
 )  # fmt: skip
-def test_install_cell_installs_in_order_of_preference(tmp_path, monkeypatch, pip_env, wheels, installed, expected):
+def test_install_cell_installs_in_order_of_preference(tmp_path, monkeypatch, pip_env, pyproject, installed, expected):
     from IPython.core.inputtransformer2 import TransformerManager
 
     code = TransformerManager().transform_cell(_install_cell(nbformat.read(NOTEBOOK, as_version=4)).source)
     (tmp_path / "colab").mkdir()
-    (tmp_path / "dist").mkdir()
-    for age, name in enumerate(wheels):
-        (tmp_path / "dist" / name).touch()
-        os.utime(tmp_path / "dist" / name, (1_000_000 + age, 1_000_000 + age))
+    if pyproject is not None:
+        (tmp_path / "pyproject.toml").write_text(pyproject)
     monkeypatch.chdir(tmp_path / "colab")
     if pip_env is None:
         monkeypatch.delenv("JAXCKPT_PIP", raising=False)
@@ -124,7 +123,8 @@ def test_install_cell_installs_in_order_of_preference(tmp_path, monkeypatch, pip
 
     namespace["get_ipython"] = Shell
     exec(code, namespace)
-    assert magics == ([] if expected is None else [("pip", f'install -q "{expected}"')])
+    wanted = None if expected is None else expected.format(checkout=tmp_path)
+    assert magics == ([] if wanted is None else [("pip", f'install -q "{wanted}"')])
 
 
 def test_training_restarts_where_it_left_off(executed):
