@@ -1,7 +1,8 @@
 # `make demo` and `make test` work on a fresh machine with Python 3.11: they build .venv first.
 # `make bench` also installs the bench extra (Orbax), then runs benchmarks/run.py $(BENCH_ARGS).
 # `make dist` builds the sdist and wheel into dist/ (the dist extra: build, twine) and checks them;
-# `make smoke` installs that wheel into a fresh virtualenv outside the checkout and uses it from there.
+# `make smoke` installs that wheel, and a copy of the checkout (`pip install ".[flax]"`, as from a clone),
+# each into a fresh virtualenv outside the checkout, and uses them from there.
 # `make lint` checks style (ruff) and types (mypy, configured in pyproject.toml: zero errors).
 # `make docs` also installs the docs extra (Sphinx, MyST, furo), then builds the site into
 # docs/_build/html strictly: a warning, a broken link or an unresolved reference fails it.
