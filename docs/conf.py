@@ -7,6 +7,7 @@ import sys
 import typing
 
 from docutils import nodes
+from sphinx.errors import PycodeError
 from sphinx.pycode import ModuleAnalyzer
 from sphinx.util import logging
 
@@ -100,7 +101,10 @@ def _docstring(app, what, name, obj, options, lines):
         return
     attr = name.rpartition(".")[2]
     for module in sorted(m for m in sys.modules if m.startswith("jaxckpt._")):
-        comment = ModuleAnalyzer.for_module(module).find_attr_docs().get(("", attr))
+        try:
+            comment = ModuleAnalyzer.for_module(module).find_attr_docs().get(("", attr))
+        except PycodeError:  # a module without source
+            continue
         if comment is not None and getattr(sys.modules[module], attr, None) is obj:
             lines[:] = list(comment)
             return
