@@ -1,18 +1,22 @@
 # `make demo` and `make test` work on a fresh machine with Python 3.11: they build .venv first.
 # `make bench` also installs the bench extra (Orbax), then runs benchmarks/run.py $(BENCH_ARGS).
 # `make dist` builds the sdist and wheel into dist/ (the dist extra: build, twine) and checks them;
-# `make smoke` installs that wheel into a fresh virtualenv outside the checkout and uses it from there.
+# `make smoke` installs that wheel, and a copy of the checkout (`pip install ".[flax]"`, as from a clone),
+# each into a fresh virtualenv outside the checkout, and uses them from there.
 # `make lint` checks style (ruff) and types (mypy, configured in pyproject.toml: zero errors).
+# `make docs` also installs the docs extra (Sphinx, MyST, furo), then builds the site into
+# docs/_build/html strictly: a warning, a broken link or an unresolved reference fails it.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
 DIST_STAMP := $(VENV)/.dist-stamp
+DOCS_STAMP := $(VENV)/.docs-stamp
 PYTEST_ARGS ?= -n 2
 BENCH_ARGS ?=
 
-.PHONY: demo test lint bench venv clean dist smoke stress
+.PHONY: demo test lint bench venv clean dist smoke stress docs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +29,10 @@ $(BENCH_STAMP): $(STAMP)
 
 $(DIST_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dist]'
+	touch $@
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[docs]'
 	touch $@
 
 venv: $(STAMP)
@@ -54,13 +62,17 @@ dist: $(DIST_STAMP)
 	$(PY) -m twine check --strict dist/*
 	$(PY) -m zipfile -l dist/*.whl
 
+# -E: read every page afresh (docstrings change without the pages changing); -n: every reference must resolve.
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
+
 smoke:
 	PYTHON=$(PYTHON) bash scripts/smoke_wheel.sh
 
 lint: $(STAMP)
-	$(PY) -m ruff check jaxckpt tests examples benchmarks scripts
-	$(PY) -m ruff format --check jaxckpt tests examples benchmarks scripts
+	$(PY) -m ruff check jaxckpt tests examples benchmarks scripts docs
+	$(PY) -m ruff format --check jaxckpt tests examples benchmarks scripts docs
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) demo_ckpts dist build
+	rm -rf $(VENV) demo_ckpts dist build docs/_build

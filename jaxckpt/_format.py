@@ -33,6 +33,7 @@ FORMAT_NAME = "jaxckpt"
 # CHECKSUMS_FILE, which names the save that wrote it (the index's ``save``): a chunk or shard moved,
 # swapped or copied from another checkpoint with its own checksum is damage, not another place's
 # values (a chunk's own checksum proves its bytes intact, not where they belong).
+#: The format version that this jaxckpt writes; it reads every version up to it (1 to 5).
 FORMAT_VERSION = 5
 INDEX_FILE = "index.json"
 CHECKSUMS_FILE = "checksums.json"  # in each data store, from version 5 (jaxckpt._checksums)

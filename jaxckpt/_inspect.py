@@ -358,12 +358,14 @@ class ManagerView:
 
     @property
     def latest(self) -> CheckpointView | None:
+        """A :class:`CheckpointView` of the latest checkpoint, or None if the directory lists none."""
         return CheckpointView(self.checkpoints[-1].path) if self.checkpoints else None
 
     def __len__(self) -> int:
         return len(self.checkpoints)
 
     def summary(self) -> str:
+        """``"3 checkpoints, latest ckpt-30"``."""
         latest = os.path.basename(self.checkpoints[-1].path) if self.checkpoints else None
         return f"{plural(len(self.checkpoints), 'checkpoint')}" + (f", latest {latest}" if latest else "")
 
@@ -384,6 +386,7 @@ class ManagerView:
         return rows
 
     def text(self) -> str:
+        """The table as ``jaxckpt ls DIR`` prints it; a two-tier manager's other tier follows."""
         what = f"{self.tier} tier of a two-tier " if self.tier else ""
         lines = [f"{self.directory}  ({what}CheckpointManager directory: {self.summary()})"]
         if self.metadata_problem:
@@ -411,6 +414,7 @@ class ManagerView:
         return self.text()
 
     def to_json(self) -> dict[str, Any]:
+        """A plain-JSON description: what ``jaxckpt ls --json DIR`` prints."""
         return {
             "kind": "manager",
             "directory": self.directory,

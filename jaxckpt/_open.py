@@ -118,7 +118,7 @@ def _foreign_manager(location: _storage.Location) -> tuple[Any, str | None] | No
     return None if module is None else (module, module.latest(str(location.local)))
 
 
-def latest_checkpoint(directory: PathLike | _storage.Location) -> str | None:
+def latest_checkpoint(directory: PathLike) -> str | None:
     """The latest checkpoint in ``directory``, or None if it holds none.
 
     For a :class:`~jaxckpt.CheckpointManager`'s directory it reads only the state file (no lock

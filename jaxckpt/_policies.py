@@ -41,13 +41,16 @@ class CheckpointInfo:
 class RetentionPolicy(Protocol):
     """Decides which checkpoints to keep. ``checkpoints`` is oldest first; return a subset of them."""
 
-    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]: ...
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
+        """The checkpoints to keep, of ``checkpoints`` (every one the manager holds, oldest first)."""
+        ...
 
 
 class _Combinable:
     """``a | b`` keeps what either keeps."""
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
+        """The checkpoints to keep, of ``checkpoints`` (every one the manager holds, oldest first)."""
         raise NotImplementedError  # each policy says what it keeps
 
     def __or__(self, other: RetentionPolicy) -> KeepAny:

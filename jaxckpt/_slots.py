@@ -188,7 +188,7 @@ def restore_slots(path: str | os.PathLike[str], target: T, *, prefix: str = "") 
             written by ``jaxckpt.save(path, opt_state)``).
 
     Returns:
-        ``(restored, report)``: the target with the matched slots restored, and a :class:`SlotReport`.
+        ``(restored, report)``, the target with the matched slots restored and a :class:`SlotReport`.
     """
     opened = open_checkpoint(path)
     index = opened.index

@@ -4,11 +4,16 @@ It runs with the fresh virtualenv's Python, in an empty folder outside the repos
 the wheel holds every module of the source tree and py.typed, and nothing else; jaxckpt imports from
 the virtualenv; an NNX module saves and restores; the `jaxckpt` console script lists and verifies;
 the golden checkpoints of every format version read back as written.
+
+With ``--checkout`` instead of ``--wheel`` (a clone installed with ``pip install ".[flax]"``), it checks
+that the installed package holds every module of the source tree, imports from the virtualenv, saves
+and restores, and that the console script works.
 """
 
 import argparse
 import email.parser
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -42,6 +47,21 @@ def check_wheel(wheel: Path, source: Path) -> str:
     check(metadata["Requires-Python"] == ">=3.11", f"Requires-Python is {metadata['Requires-Python']}")
     print(f"wheel: {wheel.name}: {len(modules)} modules, py.typed, LICENSE; {len(names)} files")
     return metadata["Version"]
+
+
+def check_installed(checkout: Path, source: Path) -> str:
+    """The package that pip built from a clone: every module of the source tree; its version."""
+    import jaxckpt
+
+    where = Path(jaxckpt.__file__).resolve().parent
+    installed = {p.relative_to(where).as_posix() for p in where.rglob("*.py")}
+    modules = {p.relative_to(source).as_posix() for p in source.rglob("*.py")}
+    missing = sorted(modules - installed)
+    check(not missing, f"the install from the clone lacks {missing}")
+    version = re.search(r'__version__ = "([^"]+)"', (checkout / "jaxckpt" / "_version.py").read_text())
+    check(version is not None, "no __version__ in the clone's jaxckpt/_version.py")
+    print(f"clone: {checkout} installed: {len(modules)} modules")
+    return version[1]
 
 
 def check_import(version: str):
@@ -145,12 +165,22 @@ def check_foreign(foreign: Path):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--wheel", type=Path, required=True)
+    installed = parser.add_mutually_exclusive_group(required=True)
+    installed.add_argument("--wheel", type=Path, help="the wheel installed")
+    installed.add_argument("--checkout", type=Path, help="the clone installed (pip install .)")
     parser.add_argument("--source", type=Path, required=True, help="the checkout's jaxckpt/ folder")
     parser.add_argument("--golden", type=Path, required=True, help="a copy of tests/golden")
     args = parser.parse_args()
     check(not Path("jaxckpt").exists() and Path.cwd() != args.source.parent, "run this outside the checkout")
 
+    if args.checkout is not None:
+        check_import(check_installed(args.checkout, args.source))
+        check_nnx()
+        check("* ckpt-3" in run_cli("ls", "ckpts"), "jaxckpt ls ckpts")
+        run_cli("verify", "ckpts")
+        check_no_extra_needed(args.golden)
+        print("smoke: all checks passed (the clone)")
+        return
     version = check_wheel(args.wheel, args.source)
     check_import(version)
     check_nnx()

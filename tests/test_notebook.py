@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 
@@ -22,10 +21,8 @@ def _text(output) -> str:
     return data.get("text/plain", "")
 
 
-@pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    """The notebook, executed in a fresh folder (it writes its checkpoints there), with its outputs."""
-    workdir = tmp_path_factory.mktemp("notebook")
+def _execute(workdir: Path):
+    """The notebook, executed in ``workdir`` (it writes its checkpoints there), with its outputs."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # The kernel inherits this process's environment: JAX on CPU, as tests/conftest.py sets it. Less
     # JAXCKPT_PIP, which would make the first cell install over .venv's jaxckpt.
@@ -35,7 +32,14 @@ def executed(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("JAXCKPT_PIP", raising=False)
         client.execute()  # raises CellExecutionError, with the cell and its traceback, if a cell fails
-    return nb, workdir
+    return nb
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """The notebook, executed in a fresh folder, with its outputs; and the folder."""
+    workdir = tmp_path_factory.mktemp("notebook")
+    return _execute(workdir), workdir
 
 
 def _cell(nb, source_fragment: str):
@@ -47,13 +51,17 @@ def _all_text(cell) -> str:
     return "".join(_text(o) for o in cell.outputs)
 
 
-def test_notebook_runs_without_errors_and_writes_checkpoints(executed):
-    nb, workdir = executed
+def _assert_clean(nb):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
     # No warnings either: deprecations, unused restore values, fork-in-a-threaded-process...
     stderr = [o.text for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("name") == "stderr"]
     assert not stderr
+
+
+def test_notebook_runs_without_errors_and_writes_checkpoints(executed):
+    nb, workdir = executed
+    _assert_clean(nb)
     assert sorted(p.name for p in (workdir / "ckpts").iterdir() if p.name.startswith("ckpt-")) == [
         "ckpt-10",
         "ckpt-8",
@@ -73,30 +81,30 @@ def test_install_cell_does_nothing_where_jaxckpt_is_installed(executed):
     assert _install_cell(nb).outputs == []
 
 
+JAXCKPT_PYPROJECT = '[project]\nname = "jaxckpt"\n'
+
+
 @pytest.mark.parametrize(
-    ("pip_env", "wheels", "installed", "expected"),
+    ("pip_env", "pyproject", "installed", "expected"),
     [
         # JAXCKPT_PIP first, even where jaxckpt is installed (a wheel uploaded to a Colab session)
-        ("/content/jaxckpt-0.2.0-py3-none-any.whl", ["jaxckpt-0.2.0-py3-none-any.whl"], True,
-         "/content/jaxckpt-0.2.0-py3-none-any.whl"),
-        # next to the repository: the newest wheel in ../dist (by time: 0.10.0 sorts before 0.9.0)
-        (None, ["jaxckpt-0.9.0-py3-none-any.whl", "jaxckpt-0.10.0-py3-none-any.whl"], False,
-         "../dist/jaxckpt-0.10.0-py3-none-any.whl[flax]"),
-        # anywhere else: the package index
-        (None, [], False, "jaxckpt[flax]"),
+        ("/content/jaxckpt-0.2.0-py3-none-any.whl", JAXCKPT_PYPROJECT, True, "/content/jaxckpt-0.2.0-py3-none-any.whl"),
+        # in a checkout (the notebook in its colab/ folder): the checkout, with the flax extra
+        (None, JAXCKPT_PYPROJECT, False, "{checkout}[flax]"),
+        # beside another project, or anywhere else: the package index
+        (None, '[project]\nname = "other"\n', False, "jaxckpt[flax]"),
+        (None, None, False, "jaxckpt[flax]"),
         # installed already (the repository's .venv): nothing
-        (None, ["jaxckpt-0.2.0-py3-none-any.whl"], True, None),
+        (None, JAXCKPT_PYPROJECT, True, None),
     ],
 )  # fmt: skip
-def test_install_cell_installs_in_order_of_preference(tmp_path, monkeypatch, pip_env, wheels, installed, expected):
+def test_install_cell_installs_in_order_of_preference(tmp_path, monkeypatch, pip_env, pyproject, installed, expected):
     from IPython.core.inputtransformer2 import TransformerManager
 
     code = TransformerManager().transform_cell(_install_cell(nbformat.read(NOTEBOOK, as_version=4)).source)
     (tmp_path / "colab").mkdir()
-    (tmp_path / "dist").mkdir()
-    for age, name in enumerate(wheels):
-        (tmp_path / "dist" / name).touch()
-        os.utime(tmp_path / "dist" / name, (1_000_000 + age, 1_000_000 + age))
+    if pyproject is not None:
+        (tmp_path / "pyproject.toml").write_text(pyproject)
     monkeypatch.chdir(tmp_path / "colab")
     if pip_env is None:
         monkeypatch.delenv("JAXCKPT_PIP", raising=False)
@@ -115,7 +123,8 @@ def test_install_cell_installs_in_order_of_preference(tmp_path, monkeypatch, pip
 
     namespace["get_ipython"] = Shell
     exec(code, namespace)
-    assert magics == ([] if expected is None else [("pip", f'install -q "{expected}"')])
+    wanted = None if expected is None else expected.format(checkout=tmp_path)
+    assert magics == ([] if wanted is None else [("pip", f'install -q "{wanted}"')])
 
 
 def test_training_restarts_where_it_left_off(executed):
@@ -175,3 +184,19 @@ def test_coming_from_orbax_restores_into_abstract_models(executed):
         "ckpt-10",
         "ckpt-5",
     ]
+
+
+def test_notebook_runs_again_in_the_same_folder(executed):
+    """Run from the top a second time where it ran already (the first run's files are there), it
+    starts from a clean slate and prints what it printed the first time."""
+    first, workdir = executed
+    again = _execute(workdir)
+    _assert_clean(again)
+    for fragment in [
+        "def train_and_checkpoint",
+        "manager.close()",
+        "print(manager.checkpoints)",
+        "mngr.save(step=step)",
+    ]:
+        assert _all_text(_cell(again, fragment)) == _all_text(_cell(first, fragment)), fragment
+    assert _all_text(_cell(again, "save.save(")) == _all_text(_cell(first, "save.save("))
