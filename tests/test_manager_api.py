@@ -149,3 +149,27 @@ def test_tier_options_are_refused_before_the_directory_is_touched(tmp_path):
             _ckpt(), tmp_path / "ckpts", local_directory=tmp_path / "local", durable_interval_steps=0
         )
     assert not (tmp_path / "ckpts").exists()
+
+
+@pytest.mark.parametrize("tiers", [1, 2])
+def test_the_managers_warnings_point_at_the_users_call(tmp_path, tiers):
+    """A warning names the line of the caller's code (``warnings`` filters and messages use it),
+    not a line of jaxckpt, however many of its frames lie between, with one tier or two."""
+    local = {"local_directory": tmp_path / "local"} if tiers == 2 else {}
+    jaxckpt.CheckpointManager(_ckpt(), tmp_path / "ckpts", metadata={"lr": 1}, **local).close()
+    with pytest.warns(UserWarning, match="keeps the metadata it has") as rec:
+        jaxckpt.CheckpointManager(_ckpt(), tmp_path / "ckpts", metadata={"lr": 2}, **local).close()
+    assert [w.filename for w in rec] == [__file__]
+
+    clock = [10000.0]
+    with jaxckpt.CheckpointManager(
+        _ckpt(), tmp_path / "kept", max_to_keep=1, keep_checkpoint_every_n_hours=1.0, clock=lambda: clock[0]
+    ) as manager:
+        for _ in range(3):
+            manager.save(force=True)
+            manager.wait_until_finished()
+            clock[0] += 3600.0
+    clock[0] = 5000.0  # the clock went back
+    with pytest.warns(UserWarning, match="behind the last preserved checkpoint") as rec:
+        jaxckpt.CheckpointManager(_ckpt(), tmp_path / "kept", max_to_keep=1, clock=lambda: clock[0], **local).close()
+    assert [w.filename for w in rec] == [__file__]
