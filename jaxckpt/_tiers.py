@@ -65,6 +65,7 @@ from typing import Any
 
 from jaxckpt import _copy, _local_tree, _multihost, _statefile, _storage
 from jaxckpt._async import Background
+from jaxckpt._caller import caller_level
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError, JaxckptError
 from jaxckpt._format import INDEX_FILE
@@ -254,7 +255,7 @@ class TwoTiers(OneTier):
                 warnings.warn(
                     f"A copy to the durable tier {self._directory!r} failed: {e}. Local checkpoints go on; the next "
                     "checkpoint due for the durable tier is copied again.",
-                    stacklevel=3,
+                    stacklevel=caller_level(),
                 )
 
     def wait_until_finished(self) -> None:
@@ -349,7 +350,7 @@ class TwoTiers(OneTier):
                 warnings.warn(
                     f"The local checkpoint {info.path!r} cannot be restored ({error}); restoring the durable "
                     f"{tried[i + 1].path!r} instead.",
-                    stacklevel=3,
+                    stacklevel=caller_level(),
                 )
                 continue
             if i > 0:  # the local tier's newer checkpoints belong to a run that is not continued
