@@ -9,6 +9,7 @@ ckpt.restore(path).assert_consumed()
 """
 
 from jaxckpt._checkpoint import Checkpoint, save, wait_until_finished
+from jaxckpt._checkpoint_manager import CheckpointManager
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointExistsError,
@@ -27,7 +28,6 @@ from jaxckpt._errors import (
 )
 from jaxckpt._format import FORMAT_VERSION
 from jaxckpt._inspect import CheckpointView, ManagerView, inspect
-from jaxckpt._manager import CheckpointManager
 from jaxckpt._open import latest_checkpoint
 from jaxckpt._policies import CheckpointInfo, KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
 from jaxckpt._preemption import PreemptionHandler

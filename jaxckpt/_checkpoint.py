@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 import warnings
-from types import FrameType
 from typing import Any
 
 from jaxckpt import _async, _lock, _multihost, _save, _staging, _statefile, _storage
 from jaxckpt._async import Background
+from jaxckpt._caller import caller_level
 from jaxckpt._errors import (
     JaxckptError,
     ManagerLockedError,
@@ -36,18 +35,6 @@ def _graph(root: Checkpoint) -> list[Checkpoint]:
             found[id(ckpt)] = ckpt
             todo.extend(c for c in ckpt._children.values() if isinstance(c, Checkpoint))
     return list(found.values())
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside jaxckpt: a warning points at the user's call."""
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class _Recorder:
@@ -88,7 +75,7 @@ class _Recorder:
         except JaxckptError as e:  # e.g. a TensorFlow state file there: the checkpoint itself is whole
             warnings.warn(
                 f"Saved {path!r}, but could not list it in the state file of {self.directory!r}: {e}",
-                stacklevel=_caller_level(),
+                stacklevel=caller_level(),
             )
         _statefile.clear_unrecorded(self.folder / name)
 
@@ -301,7 +288,7 @@ class Checkpoint:
                     f"{summarize(unused, 5)}\nCall status.expect_partial() (ckpt.restore(path).expect_partial()) "
                     "if this is intended.",
                     UnusedValuesWarning,
-                    stacklevel=_caller_level(),
+                    stacklevel=caller_level(),
                 )
         # Still waiting: asked again at the next call (after an assignment, its unused values are known).
         self._statuses.extend(s for s in unsettled.values() if not s._settled)
@@ -312,7 +299,7 @@ class Checkpoint:
                 f"holds for children not assigned yet:\n{summarize(saved_without, 5)}\nAssign those children before "
                 "saving to include them, or call status.expect_partial() if they are not wanted.",
                 UnusedValuesWarning,
-                stacklevel=_caller_level(),
+                stacklevel=caller_level(),
             )
 
     def wait_until_finished(self) -> None:

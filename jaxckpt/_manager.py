@@ -1,4 +1,6 @@
-"""``CheckpointManager``: numbered checkpoints in one directory, retention, and the state file.
+"""``OneTier``: the part of a :class:`~jaxckpt.CheckpointManager` that keeps numbered checkpoints in one
+directory, with retention and the state file (the public class, in :mod:`jaxckpt._checkpoint_manager`,
+holds one, or a two-tier :class:`jaxckpt._tiers.TwoTiers`, which is one too).
 
 The directory belongs to its manager::
 
@@ -35,7 +37,7 @@ from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._lock import LOCK_FILE
-from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics, signature_of_init
+from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics
 from jaxckpt._manager_orbax import OrbaxCalls
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 from jaxckpt._preemption import PreemptionHandler, PreemptionSaves
@@ -44,84 +46,16 @@ from jaxckpt._retention import RetentionCalls
 from jaxckpt._statefile import STATE_FILE, latest_checkpoint
 from jaxckpt._tree import PathLike
 
-__all__ = ["LOCK_FILE", "STATE_FILE", "CheckpointManager", "latest_checkpoint"]
+__all__ = ["LOCK_FILE", "STATE_FILE", "OneTier", "latest_checkpoint"]
 
 
-@signature_of_init
-class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
-    """Numbered checkpoints of one :class:`Checkpoint` in ``directory``, with retention and a state file.
-
-    ::
-
-        ckpt = jaxckpt.Checkpoint(step=0, params=params)
-        with jaxckpt.CheckpointManager(ckpt, "ckpts", max_to_keep=3, step_counter="step") as manager:
-            manager.restore_or_initialize()        # resumes from the latest checkpoint, if any
-            for ...:
-                ckpt.step += 1
-                manager.save(metrics={"loss": loss})   # "ckpts/ckpt-1", "ckpts/ckpt-2", ...
-
-    Retention: ``max_to_keep=n`` is ``KeepLatest(n)``, and ``policies`` adds any others; a checkpoint
-    is kept if any of them keeps it, and the latest is always kept. With neither, every checkpoint is
-    kept. ``keep_checkpoint_every_n_hours=h`` is TensorFlow's rule: a checkpoint that retention drops
-    is preserved instead if it was saved at least ``h`` hours after the last preserved one (at first,
-    after the directory's first manager started). A preserved checkpoint is marked so in the state
-    file, no policy sees it, and no manager's retention ever deletes it, whatever its options (only
-    :meth:`delete` of its step does).
-    (``KeepEvery(hours=h)`` is a different rule: one checkpoint per ``h``-hour window.)
-
-    ``step_counter`` says where the training step is, for ``checkpoint_interval`` (counted, as in
-    TensorFlow, from the step this manager last saved or restored, at first from ``last_checkpoint_step``
-    if given; see :meth:`save`) and the state file:
-    the name of a child of ``checkpoint`` (``"step"``; read at each save, so it follows restores and
-    reassignments, which matters since JAX values are immutable and get replaced, not updated), or a
-    callable returning it. Without ``checkpoint_number``, checkpoints are numbered by ``checkpoint``'s
-    ``save_counter``, which each save advances and which is saved with the checkpoint; if it lags
-    behind the numbers already listed (a new job that did not restore), numbering continues after them.
-
-    Only one manager may work in a directory at a time: it holds a kernel lock on ``checkpoint.lock``
-    (see :mod:`jaxckpt._lock`), released by :meth:`close`, at the end of a ``with`` block, at
-    interpreter exit, and by the kernel when the process dies. Checkpoints that the state file lists
-    under another ``checkpoint_name`` (``Checkpoint.save`` under another prefix, another manager) stay
-    listed, as TensorFlow's: numbering continues after them, and a manager deletes only its own.
-    ``read_only=True`` restores without the lock, for a job that must not (or cannot) write there:
-    it never saves, deletes or cleans up. ``clock`` (Unix seconds) is for tests.
-
-    Saves are asynchronous unless ``async_save=False``: :meth:`save` returns once the values are
-    snapshotted, and writing, the state file and retention run in the background. The next save,
-    :meth:`restore_or_initialize`, :meth:`wait_until_finished` and :meth:`close` wait for it and raise
-    its error if it failed. ``latest_checkpoint``, ``checkpoints`` and ``checkpoint_infos`` wait for it
-    too, and list finished saves only, but leave its error to those calls; ``repr`` never waits.
-    :meth:`close` releases the lock only once the background save is done: a Ctrl-C that interrupts
-    it leaves the manager open and the directory locked until the save ends (at exit at the latest).
-
-    Orbax's calls work beside TensorFlow's, on the same state file and retention: ``save(step=s)``
-    (``ckpt-<s>``, saved exactly when :meth:`should_save` says so: past the latest step, and divisible
-    by ``save_interval_steps`` or at a preemption notice), :meth:`all_steps`, :meth:`latest_step`, :meth:`restore` by step
-    into :attr:`checkpoint`, and :meth:`delete` of a step (a rollback). ``metadata={...}`` records the run's configuration (JSON) once for the
-    directory, in ``checkpoint.metadata``, and :meth:`metadata` reads it back.
-
-    **Two tiers.** With ``local_directory`` (a fast disk of this host: NVMe, ``/dev/shm``), saves go
-    there, kept by ``local_policies`` (default: the latest 2), and the checkpoint of every
-    ``durable_interval_steps``-th step is then copied to ``directory`` (a bucket, say) in the
-    background, kept by ``max_to_keep`` and ``policies``; restores take the newest checkpoint in
-    either tier, falling back to the durable one if the local one is damaged (:mod:`jaxckpt._tiers`).
-
-    ``save_on_preemption=True`` turns SIGTERM into a notice that the loop polls at step boundaries
-    (:class:`PreemptionHandler`, put back by :meth:`close`): :meth:`save_if_preempted` then saves,
-    waits until the checkpoint is durable, and exits; :meth:`reached_preemption` tells when, for a
-    loop that does that itself. A multi-process run agrees on the step through JAX's preemption
-    sync manager.
-    """
+class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
+    """The checkpoints of one directory: what :class:`jaxckpt.CheckpointManager` does without
+    ``local_directory`` (its documentation says what each option and call means), and each tier of
+    one with it. Its public calls are the manager's, which passes them on."""
 
     # Every process keeps a directory of its own on its own disk (a two-tier manager's local tier).
     _own_copy = False
-
-    def __new__(cls, *args: Any, local_directory: PathLike | None = None, **kwargs: Any) -> CheckpointManager:
-        if local_directory is not None and cls is CheckpointManager:  # two tiers: see jaxckpt._tiers
-            from jaxckpt._tiers import TieredManager
-
-            return super().__new__(TieredManager)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -141,10 +75,6 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
         save_on_preemption: bool = False,
         read_only: bool = False,
         clock: Callable[[], float] = time.time,
-        local_directory: PathLike | None = None,
-        local_policies: RetentionPolicy | Sequence[RetentionPolicy] = (),
-        durable_interval_steps: int | None = None,
-        preemption_grace_s: float = 30.0,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
         given = None if metadata is None else _run_metadata.check(metadata)  # before the directory is touched
@@ -473,7 +403,7 @@ class CheckpointManager(PreemptionSaves, OrbaxCalls, RetentionCalls):
         else:
             self._warn_failed_deletes()
 
-    def __enter__(self) -> CheckpointManager:
+    def __enter__(self) -> OneTier:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:

@@ -9,13 +9,12 @@ read from then on: the ``<name>-N`` naming, the retention policy (one :class:`Ke
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import operator
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._policies import CheckpointInfo, KeepAny, KeepLatest, RetentionPolicy, positive_int, positive_number
@@ -151,16 +150,3 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
             raise UnsupportedValueError(f"Metric {name!r}={value!r} is not a number.") from None
         out[name] = number if math.isfinite(number) else None  # JSON has no NaN; a NaN loss is never best
     return out
-
-
-T = TypeVar("T")
-
-
-def signature_of_init(cls: type[T]) -> type[T]:
-    """Class decorator: ``inspect.signature(cls)`` (what help(), IDEs and the API reference show) is
-    ``cls.__init__``'s, not that of a ``__new__`` that passes its arguments on (the manager's picks
-    the two-tier class)."""
-    init = inspect.signature(cls.__init__, eval_str=True)
-    params = list(init.parameters.values())[1:]  # without self
-    cls.__signature__ = init.replace(parameters=params, return_annotation=inspect.Signature.empty)  # type: ignore[attr-defined]
-    return cls

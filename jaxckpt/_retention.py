@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from jaxckpt import _kvstore, _local_tree, _multihost, _staging, _statefile, _storage
 from jaxckpt._async import Background
+from jaxckpt._caller import caller_level
 from jaxckpt._errors import CheckpointNotFoundError, JaxckptError, ManagerLockedError, StorageError
 from jaxckpt._format import INDEX_FILE
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
@@ -420,7 +421,7 @@ class RetentionCalls:
         """A deletion that failed is garbage the next manager removes: said, and saving goes on."""
         error = self._deleter.failures()
         if error is not None:
-            warnings.warn(str(error), stacklevel=4)
+            warnings.warn(str(error), stacklevel=caller_level())
 
     def _raise_failed_deletes(self) -> None:
         error = self._deleter.failures()

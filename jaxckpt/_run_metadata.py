@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxckpt import _storage
+from jaxckpt._caller import caller_level
 from jaxckpt._errors import CheckpointFormatError, UnsupportedValueError, UnsupportedVersionError
 
 METADATA_FILE = "checkpoint.metadata"
@@ -155,6 +156,6 @@ def start(folder: _storage.Location, given: dict[str, Any] | None, *, write: boo
             f"{str(folder / METADATA_FILE)!r} keeps the metadata it has, recorded by the run's first manager: the "
             f"metadata given here differs in {changed}, and is not recorded (Orbax's rule: written once). "
             "To record other metadata, use another directory, or remove that file.",
-            stacklevel=3,  # the code that created the manager
+            stacklevel=caller_level(),  # the code that created the manager
         )
     return recorded

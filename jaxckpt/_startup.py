@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jaxckpt import _retention, _staging, _statefile, _storage
+from jaxckpt._caller import caller_level
 from jaxckpt._errors import CheckpointExistsError, ManagerLockedError
 from jaxckpt._manager_options import ManagerOptions
 from jaxckpt._policies import CheckpointInfo
@@ -152,7 +153,7 @@ def keep_all(directory: str, infos: list[CheckpointInfo], options: ManagerOption
             f"there are kept for good ({[os.path.basename(infos[i].path) for i in marked][-5:]}, marked preserved), "
             "since which of them keep_checkpoint_every_n_hours would preserve cannot be told; delete(step) removes "
             "one. Check this host's clock.",
-            stacklevel=4,
+            stacklevel=caller_level(),
         )
     return bool(marked)
 

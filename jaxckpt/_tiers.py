@@ -13,11 +13,11 @@ a :class:`~jaxckpt.CheckpointManager` keeps both::
     )
     manager.restore_or_initialize()                 # the newest complete checkpoint in either tier
 
-**Saving.** :meth:`TieredManager.save` is a save of the local tier: it returns as soon as a local
-save does. When the step is due for the durable tier, the finished local checkpoint is then copied
-to the durable directory in the background, in a thread of its own (:mod:`jaxckpt._copy`: the
-files the local save wrote, never device memory again; the index last, so the copy is atomic in a
-bucket too), and recorded in the durable state file, whose retention then applies. Until its copy
+**Saving.** :meth:`~jaxckpt.CheckpointManager.save` of two tiers is a save of the local tier: it
+returns as soon as a local save does. When the step is due for the durable tier, the finished local
+checkpoint is then copied to the durable directory in the background, in a thread of its own
+(:mod:`jaxckpt._copy`: the files the local save wrote, never device memory again; the index last, so
+the copy is atomic in a bucket too), and recorded in the durable state file, whose retention then applies. Until its copy
 is done, local retention keeps that checkpoint. A copy still running when the next one is due is
 not waited for: the newest due checkpoint is copied next, those in between are skipped. A copy
 that fails is reported by a warning at the next save, and raised by :meth:`wait_until_finished`
@@ -65,10 +65,11 @@ from typing import Any
 
 from jaxckpt import _copy, _local_tree, _multihost, _statefile, _storage
 from jaxckpt._async import Background
+from jaxckpt._caller import caller_level
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError, JaxckptError
 from jaxckpt._format import INDEX_FILE
-from jaxckpt._manager import CheckpointManager
+from jaxckpt._manager import OneTier
 from jaxckpt._policies import CheckpointInfo, KeepLatest, RetentionPolicy, positive_int
 from jaxckpt._reader import AFTER_READ
 from jaxckpt._restore import RestoreStatus
@@ -86,15 +87,17 @@ _SHARED = (
 )
 
 
-class _HostTier(CheckpointManager):
+class _HostTier(OneTier):
     """The local tier: in a multi-process run, every process keeps a whole checkpoint of its own in
     its own ``local_directory`` (its own disk), with the packs and every region it holds."""
 
     _own_copy = True
 
 
-class TieredManager(CheckpointManager):
-    """A :class:`~jaxckpt.CheckpointManager` with a local tier (see the module's description)."""
+class TwoTiers(OneTier):
+    """What :class:`~jaxckpt.CheckpointManager` does with ``local_directory`` (see the module's
+    description): a :class:`~jaxckpt._manager.OneTier` of the durable tier, which holds another of
+    the local tier (``_local``) and copies from it."""
 
     def __init__(
         self,
@@ -151,7 +154,7 @@ class TieredManager(CheckpointManager):
         force: bool = False,
         metrics: Mapping[str, Any] | None = None,
     ) -> str | None:
-        """Save to the local tier (see :meth:`CheckpointManager.save`); if the step is due for the
+        """Save to the local tier (see :meth:`OneTier.save`); if the step is due for the
         durable tier (``durable_interval_steps``, or ``force``), copy it there in the background."""
         self._report_failed_copy()
         self._warn_failed_deletes()  # the durable tier's, which no save of its own reports
@@ -252,7 +255,7 @@ class TieredManager(CheckpointManager):
                 warnings.warn(
                     f"A copy to the durable tier {self._directory!r} failed: {e}. Local checkpoints go on; the next "
                     "checkpoint due for the durable tier is copied again.",
-                    stacklevel=3,
+                    stacklevel=caller_level(),
                 )
 
     def wait_until_finished(self) -> None:
@@ -270,6 +273,11 @@ class TieredManager(CheckpointManager):
         self._raise_failed_deletes()
 
     # --- restoring ---------------------------------------------------------------------------------
+
+    @property
+    def local_directory(self) -> str:
+        """The local tier's directory."""
+        return self._local.directory
 
     @property
     def local_checkpoint_infos(self) -> list[CheckpointInfo]:
@@ -342,7 +350,7 @@ class TieredManager(CheckpointManager):
                 warnings.warn(
                     f"The local checkpoint {info.path!r} cannot be restored ({error}); restoring the durable "
                     f"{tried[i + 1].path!r} instead.",
-                    stacklevel=3,
+                    stacklevel=caller_level(),
                 )
                 continue
             if i > 0:  # the local tier's newer checkpoints belong to a run that is not continued
@@ -378,7 +386,7 @@ class TieredManager(CheckpointManager):
             AFTER_READ.reset(token)
 
     def delete(self, step: int) -> None:
-        """Delete the checkpoints of ``step`` in both tiers (see :meth:`CheckpointManager.delete`),
+        """Delete the checkpoints of ``step`` in both tiers (see :meth:`OneTier.delete`),
         after the local save and the durable copy under way: a step being copied is deleted once
         copied, in both tiers. Raises CheckpointNotFoundError if neither tier holds ``step``."""
         step = operator.index(step)

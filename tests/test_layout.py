@@ -46,3 +46,63 @@ def test_no_module_uses_another_modules_private_names(path):
         ):
             found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
     assert not found, f"{path.name} uses private names of other modules: " + "; ".join(found)
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """The jaxckpt modules that ``path`` imports, function-level imports included, those under
+    ``if TYPE_CHECKING:`` (never run) left out. ``from jaxckpt._x import name`` is an import of
+    ``jaxckpt._x``, and ``from jaxckpt._x import y`` of ``jaxckpt._x.y`` where that is a module."""
+    name = _module_of(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([module] if module else []))
+            for a in node.names:
+                found.add(f"{module}.{a.name}" if f"{module}.{a.name}" in known else module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in known and m != name}
+
+
+def test_the_modules_import_one_another_without_a_cycle():
+    """Imports run one way (README, Layout of the code): a cycle, even through an import inside a
+    function, means two modules that cannot be read, tested or changed apart."""
+    known = {_module_of(p) for p in MODULES}
+    graph = {_module_of(p): _imports(p, known) for p in MODULES}
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for imported in sorted(graph[module]):
+            if state.get(imported) == 1:
+                cycles.append(" -> ".join([*path[path.index(imported) :], imported]))
+            elif imported not in state:
+                walk(imported)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module)
+    assert not cycles, "import cycles: " + "; ".join(cycles)

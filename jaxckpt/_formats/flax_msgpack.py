@@ -44,7 +44,7 @@ from jaxckpt._errors import (
     JaxckptError,
 )
 from jaxckpt._format import DTYPES, MAX_DEPTH, MAX_RANK, NUMPY, NUMPY_SCALAR, ArrayLeaf, InForeign
-from jaxckpt._formats import EMPTY_DICT, Entry, open_regular, read_head, value_leaf
+from jaxckpt._formats.common import EMPTY_DICT, Entry, open_regular, read_head, value_leaf
 
 NAME = "Flax msgpack"
 SUFFIX = ".msgpack"

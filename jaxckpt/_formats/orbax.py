@@ -76,7 +76,7 @@ from jaxckpt._errors import (
     NotACheckpointError,
 )
 from jaxckpt._format import MAX_DEPTH, NUMPY, ArrayLeaf, InForeign, ValueLeaf
-from jaxckpt._formats import EMPTY_DICT, Entry, value_leaf
+from jaxckpt._formats.common import EMPTY_DICT, Entry, value_leaf
 from jaxckpt._formats.orbax_metadata import (
     METADATA_LIMIT,
     ZARR_METADATA_LIMIT,

@@ -44,7 +44,7 @@ from jaxckpt._errors import (
     UnsupportedValueError,
 )
 from jaxckpt._format import MAX_RANK, NUMPY, ArrayLeaf, InForeign
-from jaxckpt._formats import Entry, open_regular, read_head
+from jaxckpt._formats.common import Entry, open_regular, read_head
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"

@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, StorageError, UnsupportedVersionError
 from jaxckpt._format import NUMPY, ArrayLeaf, InForeign
-from jaxckpt._formats import Entry
+from jaxckpt._formats.common import Entry
 from jaxckpt._formats.tf_index import (
     BundleEntry,
     BundleHeader,
