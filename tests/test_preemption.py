@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -224,21 +225,31 @@ def _orbax_loop(directory: Path, last_step: int, signal_step: int = -1) -> tuple
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(ORBAX_WORKER.parent.parent), env.get("PYTHONPATH", "")])  # this checkout
     cmd = [sys.executable, str(ORBAX_WORKER), str(directory), str(last_step), str(signal_step)]
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        resumed = proc.stdout.readline().split()
-        assert resumed[:1] == ["resumed"], f"the worker did not start: {resumed}\n{proc.communicate()[1][-3000:]}"
-        if signal_step >= 0:
-            line = proc.stdout.readline()
-            assert line.split() == ["in", "step", str(signal_step)], line
-            proc.send_signal(signal.SIGTERM)  # during the step: before its save(step)
-        out, err = proc.communicate("go\n", timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    # stdout is read through its buffered file object only: communicate() reads the pipe itself, and
+    # would miss lines that a readline() had buffered already. stderr goes to a file (no pipe to fill).
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
+        try:
+            resumed = proc.stdout.readline().split()
+            if resumed[:1] != ["resumed"]:
+                proc.kill()
+                proc.wait()
+                errors.seek(0)
+                raise AssertionError(f"the worker did not start: {resumed}\n{errors.read()[-3000:]}")
+            if signal_step >= 0:
+                line = proc.stdout.readline()
+                assert line.split() == ["in", "step", str(signal_step)], line
+                proc.send_signal(signal.SIGTERM)  # during the step: before its save(step)
+            proc.stdin.write("go\n")
+            proc.stdin.close()
+            out = proc.stdout.read()
+            proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        errors.seek(0)
+        err = errors.read()
     assert proc.returncode == 0, f"exit {proc.returncode}: {out}\n{err[-3000:]}"
     return [int(s) for s in resumed[1:]], out.splitlines()
 

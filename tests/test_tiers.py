@@ -345,3 +345,23 @@ def test_local_retention_lets_go_of_a_checkpoint_once_its_copy_ends(tmp_path, mo
     assert [
         c.step for c in jaxckpt.CheckpointManager(_fresh(), tmp_path / "local", read_only=True).checkpoint_infos
     ] == [10, 12]
+
+
+def test_all_steps_lists_the_steps_of_either_tier_as_latest_step_and_restore_take_them(tmp_path):
+    """Orbax's calls agree with one another on two tiers: all_steps() lists every step that
+    restore(step) takes (the local tier's and the durable tier's), so latest_step() is always in it."""
+    ckpt = _fresh()
+    with _manager(ckpt, tmp_path / "durable", tmp_path / "local") as m:
+        _train(ckpt, m, 10)  # saves 2, 4, 6, 8, 10; local keeps 8, 10; the durable tier 4 and 8
+        m.wait_until_finished()
+        assert [c.step for c in m.local_checkpoint_infos] == [8, 10]
+        assert m.all_steps() == [4, 8, 10]
+        assert m.latest_step() == 10
+        want = np.asarray(ckpt.w)
+    restored = _fresh()
+    with _manager(restored, tmp_path / "durable", tmp_path / "local", read_only=True) as m:
+        assert m.all_steps() == [4, 8, 10]
+        m.restore(4)  # from the durable tier only
+        assert restored.step == 4
+        m.restore(10)
+        np.testing.assert_array_equal(np.asarray(restored.w), want)
