@@ -324,7 +324,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """The steps of the kept checkpoints, oldest first (waits as :attr:`latest_checkpoint`). With
-        two tiers, the durable tier's."""
+        two tiers, the steps of either tier: those that :meth:`restore` takes by step."""
         return self._part.all_steps()
 
     def latest_step(self) -> int | None:

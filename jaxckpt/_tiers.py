@@ -295,6 +295,13 @@ class TwoTiers(OneTier):
         newest = self._newest(None)
         return newest[0].step if newest else None
 
+    def all_steps(self) -> list[int]:
+        """The steps of either tier, oldest first: those that :meth:`restore` takes by step."""
+        local = self._local.all_steps()  # waits for a local save, as latest_step
+        with self._retention_lock:
+            durable = [c.step for c in self._infos]
+        return sorted(set(local) | set(durable))
+
     def _newest(self, step: int | None, agree: bool = False) -> list[CheckpointInfo]:
         """The checkpoints to try, best first: the newest local one (if it is at least as new as the
         newest durable one), then the newest durable one; only those of ``step`` if given. With
