@@ -1,7 +1,7 @@
 """The index's records: what a checkpoint holds (nodes, leaves and where each is stored), the
 format's constants and dtypes, and where the regions of a sharded array are.
 
-The README's "Format" section is the specification; :mod:`jaxckpt._index_json` writes and parses the
+docs/format.md is the specification; :mod:`jaxckpt._index_json` writes and parses the
 index as JSON.
 """
 

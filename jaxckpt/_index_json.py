@@ -1,5 +1,5 @@
 """The index as JSON: :func:`encode_index` writes it canonical and checksummed, :func:`decode_index`
-parses it. The README's "Format" section is the specification. Parsing is defensive: a crafted index
+parses it. docs/format.md is the specification. Parsing is defensive: a crafted index
 can only produce a :class:`CheckpointFormatError`, never a path outside the checkpoint, an object
 dtype, or an allocation that its own data does not back.
 """

@@ -117,7 +117,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._primary = self._own_copy or _multihost.is_primary()
         self._lock: _lock.Lock | None = None
         # Object stores have no atomic create-if-absent that every S3-compatible store honours, so the
-        # lock guards local directories only (see the README).
+        # lock guards local directories only (see docs/buckets.md).
         local = self._path.local
         if local is not None and not read_only:
             _startup.make_directory(local, self._directory)
