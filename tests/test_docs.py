@@ -147,3 +147,15 @@ def test_api_reference_builds_strictly_with_every_member(tmp_path):
     assert done.returncode != 0
     assert "jaxckpt.save is not in the API reference" in done.stderr
     assert "jaxckpt.CheckpointManager.all_steps is not in the API reference" in done.stderr
+
+
+def test_readme_is_a_front_door():
+    """At most 12 KB, and every page it links into exists (GitHub renders these links; Sphinx never sees them)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 12 * 1024
+    links = re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", readme)
+    assert links and all((ROOT / link).exists() for link in links), [
+        link for link in links if not (ROOT / link).exists()
+    ]
