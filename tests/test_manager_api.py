@@ -173,3 +173,15 @@ def test_the_managers_warnings_point_at_the_users_call(tmp_path, tiers):
     with pytest.warns(UserWarning, match="behind the last preserved checkpoint") as rec:
         jaxckpt.CheckpointManager(_ckpt(), tmp_path / "kept", max_to_keep=1, clock=lambda: clock[0], **local).close()
     assert [w.filename for w in rec] == [__file__]
+
+
+@pytest.mark.parametrize(
+    "option", [{"local_policies": [jaxckpt.KeepLatest(3)]}, {"durable_interval_steps": 10}, {"preemption_grace_s": 5.0}]
+)
+def test_a_two_tier_option_without_local_directory_is_refused(tmp_path, option):
+    """An option of two tiers given to a manager of one tier is a mistake (a forgotten
+    local_directory): refused before the directory is touched, naming the option, not ignored."""
+    (name,) = option
+    with pytest.raises(ValueError, match=f"{name}.*local_directory"):
+        jaxckpt.CheckpointManager(jaxckpt.Checkpoint(x=np.zeros(2)), tmp_path / "ckpts", **option)
+    assert not (tmp_path / "ckpts").exists()
