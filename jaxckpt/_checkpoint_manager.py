@@ -84,7 +84,7 @@ class CheckpointManager:
     background, kept by ``max_to_keep`` and ``policies``; restores take the newest checkpoint in
     either tier, falling back to the durable one if the local one is damaged (:mod:`jaxckpt._tiers`).
     Without ``local_directory``, ``local_policies``, ``durable_interval_steps`` and
-    ``preemption_grace_s`` have nothing to apply to, and are ignored.
+    ``preemption_grace_s`` have nothing to apply to: giving one raises ValueError.
 
     ``save_on_preemption=True`` turns SIGTERM into a notice that the loop polls at step boundaries
     (:class:`PreemptionHandler`, put back by :meth:`close`): :meth:`save_if_preempted` then saves,
@@ -160,6 +160,17 @@ class CheckpointManager:
         )
         self._part: OneTier
         if local_directory is None:
+            given = {
+                "local_policies": local_policies != (),
+                "durable_interval_steps": durable_interval_steps is not None,
+                "preemption_grace_s": preemption_grace_s != 30.0,
+            }
+            for name, was_given in given.items():
+                if was_given:
+                    raise ValueError(
+                        f"{name} is an option of two tiers, and this manager has one: pass local_directory "
+                        "(a folder on this host's fast disk) too, or leave it out."
+                    )
             self._part = OneTier(checkpoint, directory, max_to_keep, **options)
         else:
             self._part = TwoTiers(
