@@ -285,8 +285,8 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past
         the latest checkpoint's step, and divisible by ``save_interval_steps`` (any step without one)
-        or a preemption notice asks for a save at this step. (Orbax's says True at a notice even for
-        a step already saved, whose save it then refuses; here neither saves it again.)"""
+        or a preemption notice asks for a save at this step. A step already saved is never due,
+        notice or not."""
         return self._part.should_save(step)
 
     def wait_until_finished(self) -> None:

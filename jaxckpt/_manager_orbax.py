@@ -29,10 +29,7 @@ class OrbaxCalls:
     _given_metadata: dict[str, Any] | None
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past
-        the latest checkpoint's step, and divisible by ``save_interval_steps`` (any step without one)
-        or a preemption notice asks for a save at this step. (Orbax's says True at a notice even for
-        a step already saved, whose save it then refuses; here neither saves it again.)"""
+        """Whether :meth:`save` would save at ``step`` (see :meth:`jaxckpt.CheckpointManager.should_save`)."""
         self._background.settle()
         return self._due(operator.index(step))
 
@@ -60,12 +57,7 @@ class OrbaxCalls:
         return self._infos[-1].step if self._infos else None
 
     def reload(self) -> None:
-        """Read the state file (and the run metadata) again, as Orbax's ``reload``: for a manager that
-        follows another one's directory, an evaluator's ``read_only=True`` manager beside a live
-        trainer, :meth:`all_steps`, :meth:`latest_step` and the checkpoint lists then include the
-        steps saved since, and drop those deleted since. :meth:`restore` of a step this read-only
-        manager does not know reloads by itself. A manager that writes lists what it wrote: for it,
-        this only waits for its background save."""
+        """Read the state file and the run metadata again (see :meth:`jaxckpt.CheckpointManager.reload`)."""
         self._background.wait()
         if self._options.read_only:
             state = _statefile.read_full_state(self._directory)

@@ -173,14 +173,7 @@ class PreemptionSaves:
         metrics: Mapping[str, Any] | None = None,
         exit_code: int = 0,
     ) -> None:
-        """At a step boundary: after a preemption notice, save, wait until durable, close and exit.
-
-        Returns at once (None) while there is no notice. Otherwise it saves (unless the latest
-        checkpoint already holds this step), waits for the save, closes the manager and raises
-        ``SystemExit(exit_code)``, so ``finally`` blocks and ``with`` statements still run.
-        ``step`` is as for :meth:`reached_preemption`; ``checkpoint_number`` and ``metrics`` as
-        for :meth:`save`.
-        """
+        """At a step boundary, after a preemption notice: save, wait, close, exit (see :meth:`jaxckpt.CheckpointManager.save_if_preempted`)."""
         if not self.reached_preemption(step):
             return
         self._background.wait()

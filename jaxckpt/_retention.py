@@ -312,18 +312,7 @@ class RetentionCalls:
     _last_checkpoint_step: int | None
 
     def delete(self, step: int) -> None:
-        """Delete the checkpoint of ``step`` (Orbax's ``delete``): to roll back after a loss spike,
-        ``restore(300)``, ``delete(400)``, ``delete(500)``, then train on and ``save(400)`` again.
-
-        A save in the background is finished first (its error raised, as the next :meth:`save` would),
-        so a step being written is deleted once it is whole, never midway. The state file stops listing
-        the step first, atomically, under the manager's lock, then its folder (or objects) is deleted in
-        the background, as retention deletes (a crash at any instant leaves garbage that the next
-        manager removes, never a listed checkpoint that is not whole). A checkpoint that
-        ``keep_checkpoint_every_n_hours`` preserved is deleted too when asked for by its step.
-        Raises CheckpointNotFoundError, naming the kept steps, if no kept checkpoint has that step,
-        and ManagerLockedError in a ``read_only`` or closed manager.
-        """
+        """Delete the checkpoint of ``step`` (see :meth:`jaxckpt.CheckpointManager.delete`)."""
         step = operator.index(step)
         self._check_writable("delete")
         self._background.wait()
