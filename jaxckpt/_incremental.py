@@ -109,7 +109,9 @@ class Memory:
             return out
         for key, x in leaves.items():
             entry = self._entries.get(id(x)) or self._restored.get(id(x))
-            if entry is None or entry.ref() is not x or x.is_deleted() or not isinstance(x.dtype, np.dtype):
+            if entry is None or entry.ref() is not x or not isinstance(x, jax.Array):
+                continue
+            if x.is_deleted() or not isinstance(x.dtype, np.dtype):  # a deleted one is refused as ever
                 continue
             planned = plan(x, me, own_copy)
             if planned is None or planned[0] != entry.chunks or entry.stored != np.dtype(x.dtype).name:
