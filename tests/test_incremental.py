@@ -124,7 +124,9 @@ def test_a_save_right_after_a_restart_links_what_the_restore_returned(tmp_path, 
 def test_a_restore_onto_another_sharding_or_dtype_is_written_again(tmp_path):
     directory = tmp_path / "ckpts"
     frozen, paths = run(directory, 1)
-    other = jax.sharding.NamedSharding(jax.make_mesh((4,), ("y",), devices=jax.devices()[:4]), jax.sharding.PartitionSpec("y"))
+    other = jax.sharding.NamedSharding(
+        jax.make_mesh((4,), ("y",), devices=jax.devices()[:4]), jax.sharding.PartitionSpec("y")
+    )
     like = {
         "w0": jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=other),
         "w1": jax.ShapeDtypeStruct((1536, 512), jnp.float32),  # cast from bfloat16
@@ -202,7 +204,7 @@ def test_a_link_that_fails_half_way_through_an_array_falls_back_to_writing_it(tm
 
 
 def test_incremental_false_writes_everything(tmp_path, counted_writes):
-    frozen, paths = run(tmp_path / "ckpts", 2, incremental=False)
+    _, paths = run(tmp_path / "ckpts", 2, incremental=False)
     assert not inodes(paths[0], "base/w0") & inodes(paths[1], "base/w0")
     assert len(counted_writes) == 2 * 10
 
