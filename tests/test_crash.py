@@ -227,13 +227,14 @@ def random_kills(tmp_path: Path, *, trials: int, leaves: int, mbytes: float, fro
 def exact_kills(tmp_path: Path, *, rounds: int, frozen: bool = False) -> Job:
     job = Job(tmp_path / "ckpts", leaves=40, mbytes=4, keep=2, seed=_seed(), frozen=frozen)
     job.check(job.run(steps=3), "first run")  # so that the next save's retention deletes one
+    hooks = ["link", *HOOKS] if frozen else HOOKS
     for _ in range(rounds):
-        for hook in ["link", *HOOKS] if frozen else HOOKS:
+        for hook in hooks:
             run = job.run(steps=3, hook=hook)
             assert run.killed, f"the {hook} hook did not fire:\n{run.stderr}"
             job.check(run, f"kill at {hook}")
     job.finish()
-    print(f"\ncrash: {job.kills} kills at exact instants ({', '.join(HOOKS)}), nothing lost (seed {job.seed})")
+    print(f"\ncrash: {job.kills} kills at exact instants ({', '.join(hooks)}), nothing lost (seed {job.seed})")
     return job
 
 
