@@ -54,6 +54,7 @@ _CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json r
 class Shard(NamedTuple):
     file: str  # the file that holds it (absolute)
     crcs: tuple[int, ...]  # the CRC-32C of each of its inner chunks
+    inode: int | None = None  # the file's, when a save wrote it: a file put at its path since is not linked
 
 
 class Linked(NamedTuple):
@@ -132,10 +133,12 @@ class Memory:
         folder, array, save = entry.restored
         out: dict[tuple[str, int], Shard] = {}
         stores: dict[str, dict[int, tuple[int, ...]]] = {}
+        names = sorted(n for n in _listdir(folder) if n.startswith("data")) if wanted else []
         for (store, number), key in wanted.items():
             # The checkpoint restored may have been saved by other processes or another mesh: any of
-            # its data stores that holds the shard will do (the same store first).
-            for name in [store, *sorted(n for n in _listdir(folder) if n != store and n.startswith("data"))]:
+            # its data stores that holds the shard will do (the same store first). Its checksums name
+            # the save restored, so a checkpoint saved at that path since is not linked from.
+            for name in [store, *(n for n in names if n != store)]:
                 if name not in stores:
                     stores[name] = _checksums_of(folder / name, array, save)
                 if number in stores[name]:
@@ -173,8 +176,11 @@ class Memory:
             shards = {}
             for store, writer in writers.items():
                 for number, crcs in writer.checksums.get(at.path, {}).items():
-                    key_ = chunk_key(np.unravel_index(number, grid) if grid else ())
-                    shards[(store, number)] = Shard(str(dest / store / at.path / key_), tuple(crcs))
+                    file = dest / store / at.path / chunk_key(np.unravel_index(number, grid) if grid else ())
+                    try:
+                        shards[(store, number)] = Shard(str(file), tuple(crcs), os.stat(file).st_ino)
+                    except OSError:  # not there (deleted already?): not linked from
+                        continue
             entries[id(x)] = _Entry(ref, chunks, at.stored, shards=shards)
         self._entries, self._restored = entries, {}
 
@@ -245,6 +251,8 @@ def _link_all(
             link = str(folder / f"{n}-{number}")
             os.link(shard.file, link)
             made.append(link)
+            if shard.inode is not None and os.stat(link).st_ino != shard.inode:
+                raise FileNotFoundError(f"{shard.file} is another file than the one saved")
             out.setdefault(store, {})[number] = (link, keys[(store, number)], shard.crcs)
     except OSError:
         for link in made:

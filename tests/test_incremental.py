@@ -263,3 +263,24 @@ def test_ls_tells_what_each_checkpoint_shares(tmp_path, capsys):
     assert _cli.main(["ls", str(directory)]) == 0
     out = capsys.readouterr().out
     assert "shared" in out and out.count("shared") >= 3
+
+
+def test_a_file_put_in_place_of_a_saved_one_is_not_linked(tmp_path):
+    """The manager links the file it wrote (its inode), not whatever is at that path now."""
+    frozen = base()
+    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
+    with jaxckpt.CheckpointManager(ckpt, tmp_path / "ckpts", step_counter="step") as manager:
+        first = manager.save()
+        manager.wait_until_finished()
+        shard = Path(first, "data", array_of(first, "base/w1"), "c", "0", "0")
+        copy = shard.with_name("copy")
+        copy.write_bytes(shard.read_bytes())
+        os.replace(copy, shard)  # the same bytes, another file
+        ckpt.step = 1
+        second = manager.save()
+        manager.wait_until_finished()
+    assert not inodes(first, "base/w1") & inodes(second, "base/w1")
+    assert inodes(first, "base/w0") == inodes(second, "base/w0")
+    tree = jaxckpt.restore(second)
+    for k, v in frozen.items():
+        np.testing.assert_array_equal(tree["base"][k], np.asarray(v))
