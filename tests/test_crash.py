@@ -266,6 +266,16 @@ def test_kills_during_retention_and_state_file_rewrite_stress(tmp_path, stress_s
     exact_kills(tmp_path, rounds=4 * stress_scale)
 
 
+@pytest.mark.stress
+def test_kills_while_saving_and_deleting_shared_data_stress(tmp_path, stress_scale):
+    random_kills(tmp_path, trials=24 * stress_scale, leaves=400, mbytes=200, frozen=True)
+
+
+@pytest.mark.stress
+def test_kills_while_linking_and_while_deleting_shared_data_stress(tmp_path, stress_scale):
+    exact_kills(tmp_path, rounds=4 * stress_scale, frozen=True)
+
+
 def test_the_check_catches_a_checkpoint_of_mixed_steps(tmp_path):
     """The checks above are not vacuous: a listed checkpoint with one leaf from another step fails them."""
     job = Job(tmp_path / "ckpts", leaves=8, mbytes=0.1, keep=2, seed=0)
