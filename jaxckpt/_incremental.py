@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import weakref
 from collections.abc import Iterator, Mapping
@@ -45,8 +46,8 @@ from jaxckpt._errors import JaxckptError
 from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray, data_store
 from jaxckpt._snapshot import owners, process_of, region
 from jaxckpt._zarr_local import shards_in
-from jaxckpt._zarr_meta import chunk_key, shard_number
-from jaxckpt._zarr_write import LINKS
+from jaxckpt._zarr_meta import chunk_key, metadata, shard_number
+from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK
 
 _CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json read to find CRCs
 
@@ -119,7 +120,8 @@ class Memory:
                 continue
             sources = self._sources(entry, planned[1])
             if sources is not None:
-                linked = _link_all(sources, planned[1], staging, len(out))
+                meta = json.dumps(metadata(x.shape, entry.stored, entry.chunks, np.dtype(x.dtype).itemsize)).encode()
+                linked = _link_all(sources, planned[1], staging, len(out), meta)
                 if linked is not None:
                     out[key] = Linked(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), planned[0], linked)
         return out
@@ -238,10 +240,23 @@ def _checksums_of(store: Path, array: str, save: str) -> dict[int, tuple[int, ..
         return {}
 
 
+def _read_small(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 16)
+    except OSError:
+        return None
+
+
 def _link_all(
-    sources: Mapping[tuple[str, int], Shard], keys: Mapping[tuple[str, int], str], staging: Path, n: int
+    sources: Mapping[tuple[str, int], Shard],
+    keys: Mapping[tuple[str, int], str],
+    staging: Path,
+    n: int,
+    meta: bytes,
 ) -> dict[str, dict[int, tuple[str, str, tuple[int, ...]]]] | None:
-    """Hard-link every source into ``<staging>/<store>/.links/``; None (and no link left) if one fails."""
+    """Hard-link every source into ``<staging>/<store>/.links/``; None (and no link left) if one fails.
+    A source's ``zarr.json`` is linked too where it holds exactly ``meta`` (else the save writes it)."""
     made: list[str] = []
     out: dict[str, dict[int, tuple[str, str, tuple[int, ...]]]] = {}
     try:
@@ -254,6 +269,12 @@ def _link_all(
             if shard.inode is not None and os.stat(link).st_ino != shard.inode:
                 raise FileNotFoundError(f"{shard.file} is another file than the one saved")
             out.setdefault(store, {})[number] = (link, keys[(store, number)], shard.crcs)
+            if ZARR_JSON_LINK not in out[store]:
+                source = os.path.join(shard.file[: -len(keys[(store, number)]) - 1], "zarr.json")
+                if _read_small(source) == meta:
+                    os.link(source, f"{link}-zarr.json")
+                    made.append(f"{link}-zarr.json")
+                    out[store][ZARR_JSON_LINK] = (f"{link}-zarr.json", "zarr.json", ())
     except OSError:
         for link in made:
             with contextlib.suppress(OSError):

@@ -370,7 +370,7 @@ class _Records:
         self._arrays += 1
         if isinstance(host, _incremental.Linked):
             assert host.chunks == chunks, f"linked in shards of {host.chunks}, recorded in {chunks}"
-            for store, links in host.links.items():
+            for store, links in (host.links or {data_store(me): {}}).items():  # none here: as add_array's []
                 self.writer_for(store).add_linked(at.path, shape, dtype, chunks, links)
             return at
         if self.own_copy is not None and not fresh:

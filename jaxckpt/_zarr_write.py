@@ -27,6 +27,7 @@ _IOV_MAX = 512  # buffers per pwritev call (Linux allows 1024)
 # A shard hard-linked from an earlier checkpoint: the link, its chunk key, the CRC-32C of its chunks.
 Linked = tuple[str, str, tuple[int, ...]]
 LINKS = ".links"  # the folder of a data store where links wait for their array's number (jaxckpt._incremental)
+ZARR_JSON_LINK = -1  # in the links of an array, not a shard: its zarr.json, linked too where it is the same
 
 
 class _Shard(NamedTuple):
@@ -160,14 +161,17 @@ class LocalWriter:
         self, path: str, shape: Sequence[int], stored: np.dtype, shard: Sequence[int], links: Mapping[int, Linked]
     ) -> None:
         """Record the array at ``path`` whose shards are hard links made already (see
-        :mod:`jaxckpt._incremental`): shard number -> (the link, its chunk key, the CRC-32C of its chunks)."""
+        :mod:`jaxckpt._incremental`): shard number -> (the link, its chunk key, the CRC-32C of its chunks);
+        its ``zarr.json`` is written unless linked too (:data:`ZARR_JSON_LINK`: no write, no fsync)."""
         folder = os.path.join(self._folder, path)
-        meta = metadata(shape, stored.name, shard, stored.itemsize)
-        self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
+        if ZARR_JSON_LINK not in links:
+            meta = metadata(shape, stored.name, shard, stored.itemsize)
+            self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
         shards = self.checksums.setdefault(path, {})
         for number, (link, key, crcs) in links.items():
             self._links.append((link, os.path.join(folder, key)))
-            shards[number] = list(crcs)
+            if number != ZARR_JSON_LINK:
+                shards[number] = list(crcs)
 
     def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]], chunk: int) -> None:
         """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, uint8 data), in order and apart,

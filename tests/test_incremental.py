@@ -87,6 +87,9 @@ def test_unchanged_arrays_are_hard_linked_and_changed_ones_written(tmp_path, cou
     for key in ("base/w0", "base/w1"):
         assert all(inodes(p, key) == inodes(first, key) for p in later), key
         assert all(s.st_nlink == 3 for s in shard_files(first, array_of(first, key)).values())
+        # its zarr.json too: nothing in it is a save's own
+        zarr_json = {Path(p, "data", array_of(p, key), "zarr.json").stat().st_ino for p in paths}
+        assert len(zarr_json) == 1, key
     assert len({frozenset(inodes(p, "adapter")) for p in paths}) == 3  # written at every step
     # The base's 9 shard files (8 + 1) were written once; the adapter's one at every step.
     assert len(counted_writes) == 9 + 3
