@@ -117,6 +117,9 @@ class CheckpointManager:
             (default: every checkpoint).
         preemption_grace_s: how long :meth:`save_if_preempted` waits for the durable copy.
         metadata: the run's configuration (JSON), recorded once for the directory.
+        incremental: on a local disk, hard-link the files of every large ``jax.Array`` that is the very
+            object this manager last saved or restored, instead of writing it again (``False``: write
+            every save in full). See "Incremental checkpoints" in the training loops guide.
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class CheckpointManager:
         durable_interval_steps: int | None = None,
         preemption_grace_s: float = 30.0,
         metadata: Mapping[str, Any] | None = None,
+        incremental: bool = True,
     ) -> None:
         options: dict[str, Any] = dict(
             keep_checkpoint_every_n_hours=keep_checkpoint_every_n_hours,
@@ -157,6 +161,7 @@ class CheckpointManager:
             read_only=read_only,
             clock=clock,
             metadata=metadata,
+            incremental=incremental,
         )
         self._part: OneTier
         if local_directory is None:

@@ -277,6 +277,12 @@ def disk_bytes(path: PathLike | _storage.Location) -> int | None:
     return _local_tree.total_bytes(location)
 
 
+def _usage(location: _storage.Location) -> tuple[int | None, int | None, dict[tuple[int, int], int]]:
+    """A checkpoint's bytes, those in files shared with other checkpoints (hard links), and those files."""
+    found = _local_tree.usage(location) if location.local is not None else None
+    return (disk_bytes(location), None, {}) if found is None else (found.apparent, found.shared, found.linked)
+
+
 def _recorded_bytes(checkpoint: _storage.Location) -> int | None:
     """A checkpoint in an object store: its index's bytes and those of the arrays it records, from one
     (bounded) read of its index, since a listing there has no sizes and asking each object for its
@@ -333,8 +339,14 @@ class ManagerView:
         # Each checkpoint measured at once (in an object store, its index read): a request's latency each, overlapped.
         names = [os.path.basename(c.path) for c in self.checkpoints]
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(names)))) as pool:
-            sizes = list(pool.map(lambda name: disk_bytes(location / name), names))
-        self.disk_bytes: dict[str, int | None] = {c.path: size for c, size in zip(self.checkpoints, sizes)}
+            sizes = list(pool.map(lambda name: _usage(location / name), names))
+        self.disk_bytes: dict[str, int | None] = {c.path: size[0] for c, size in zip(self.checkpoints, sizes)}
+        # On a local disk, the bytes of each checkpoint's files that have other hard links (shared with
+        # other checkpoints by incremental saves), and the bytes of all of them with each file once.
+        self.shared_bytes: dict[str, int | None] = {c.path: size[1] for c, size in zip(self.checkpoints, sizes)}
+        linked = {k: v for _, _, files in sizes for k, v in files.items()}
+        held = [(size, shared) for size, shared, _ in sizes if size is not None and shared is not None]
+        self.unique_bytes = sum(a - b for a, b in held) + sum(linked.values()) if location.local else None
         # The run's metadata (None: none recorded) is an aside: damage to it is named, not fatal here.
         self.metadata_problem: str | None = None
         try:
@@ -367,19 +379,21 @@ class ManagerView:
     def summary(self) -> str:
         """``"3 checkpoints, latest ckpt-30"``."""
         latest = os.path.basename(self.checkpoints[-1].path) if self.checkpoints else None
-        return f"{plural(len(self.checkpoints), 'checkpoint')}" + (f", latest {latest}" if latest else "")
+        shared = f", {human_bytes(self.unique_bytes or 0)} on disk" if any(self.shared_bytes.values()) else ""
+        return f"{plural(len(self.checkpoints), 'checkpoint')}" + (f", latest {latest}" if latest else "") + shared
 
     def _rows(self) -> list[tuple[str, str, str, str, str]]:
         rows = []
         for i, c in enumerate(self.checkpoints):
-            size = self.disk_bytes[c.path]
+            size, shared = self.disk_bytes[c.path], self.shared_bytes[c.path]
+            note = f" ({human_bytes(shared)} shared)" if shared else ""  # in files other checkpoints hold too
             mark = "* " if i == len(self.checkpoints) - 1 else "  "
             rows.append(
                 (
                     mark + os.path.basename(c.path),
                     str(c.step),
                     _when(c.time),
-                    "missing" if size is None else human_bytes(size),
+                    "missing" if size is None else human_bytes(size) + note,
                     _metrics_text(c.metrics),
                 )
             )
@@ -424,6 +438,7 @@ class ManagerView:
             "metadata_problem": self.metadata_problem,
             "other_tier": self.other.to_json() if self.other is not None else None,
             "latest": self.checkpoints[-1].path if self.checkpoints else None,
+            "unique_bytes": self.unique_bytes,
             "checkpoints": [
                 {
                     "name": os.path.basename(c.path),
@@ -432,6 +447,7 @@ class ManagerView:
                     "time": c.time,
                     "metrics": dict(c.metrics),
                     "disk_bytes": self.disk_bytes[c.path],
+                    "shared_bytes": self.shared_bytes[c.path],
                 }
                 for c in self.checkpoints
             ],

@@ -112,6 +112,10 @@ class Usage(NamedTuple):
 
     held: int
     apparent: int
+    # Apparent bytes of the files with other hard links (on a manager's local disk: files that other
+    # checkpoints share, see jaxckpt._incremental), and those files by (st_dev, st_ino) -> size.
+    shared: int
+    linked: dict[tuple[int, int], int]
 
 
 def total_bytes(folder: Location) -> int | None:
@@ -137,7 +141,8 @@ def usage(folder: Location) -> Usage | None:
             return None
     except OSError:
         return None
-    held = apparent = 0
+    held = apparent = shared = 0
+    linked: dict[tuple[int, int], int] = {}
     truthful: dict[int, bool] = {}  # by st_dev
     for entry in walk_files(folder):
         try:
@@ -148,7 +153,10 @@ def usage(folder: Location) -> Usage | None:
             continue
         apparent += info.st_size
         held += _held(info, entry.path, truthful)
-    return Usage(held, apparent)
+        if info.st_nlink > 1:
+            shared += info.st_size
+            linked[(info.st_dev, info.st_ino)] = info.st_size
+    return Usage(held, apparent, shared, linked)
 
 
 def walk_files(folder: Location) -> Iterator[os.DirEntry[str]]:

@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxckpt import _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _storage
+from jaxckpt import _incremental, _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _storage
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
@@ -76,6 +76,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         read_only: bool = False,
         clock: Callable[[], float] = time.time,
         metadata: Mapping[str, Any] | None = None,
+        incremental: bool = True,
     ) -> None:
         given = None if metadata is None else _run_metadata.check(metadata)  # before the directory is touched
         self._options = options = ManagerOptions.check(
@@ -110,6 +111,8 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._retention_lock = threading.RLock()
         self._preemption: PreemptionHandler | None = None
         self._path = _storage.location(directory)
+        # What this process last saved or restored here, so that unchanged arrays are linked (local disks).
+        self._memory = _incremental.Memory() if incremental and self._path.local is not None else None
         # Dropped checkpoints are deleted in the background, after the state file lists the kept ones.
         self._deleter = _retention.Deleter(self._path)
         # In a multi-process run, only the primary owns the directory: it holds the lock, writes the
@@ -187,7 +190,8 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._background.wait()
         latest = self._infos[-1].path if self._infos else None
         if latest is not None:
-            self._checkpoint.restore(latest)
+            with _incremental.restoring(self._memory):
+                self._checkpoint.restore(latest)
             self._restored()
             return latest
         if self._options.init_fn is not None:
@@ -291,7 +295,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._checkpoint.save_counter = number if checkpoint_number is None else counter + 1
         self._pending_path = path
         try:
-            prepared = _save.prepare(path, self._checkpoint, own_copy=self._own_copy)
+            prepared = _save.prepare(path, self._checkpoint, own_copy=self._own_copy, memory=self._memory)
         except BaseException:
             self._checkpoint.save_counter = counter
             raise
@@ -316,7 +320,8 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
                 + ("" if step is None else f" of step {step}; its kept steps are {[c.step for c in self._infos]}")
                 + ". Save one first, or restore from another directory."
             )
-        status = self._checkpoint.restore(matches[-1].path)
+        with _incremental.restoring(self._memory):
+            status = self._checkpoint.restore(matches[-1].path)
         self._restored()
         return status
 

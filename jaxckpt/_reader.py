@@ -1,7 +1,6 @@
 """The reader: one checkpoint opened, its index, and batched reads of its values placed as their
 templates want (:mod:`jaxckpt._templates`), for jaxckpt's own checkpoints (:class:`Opened`) and for
-the other libraries' formats (:class:`jaxckpt._foreign_opened.ForeignOpened`, over :mod:`jaxckpt._formats`).
-"""
+the other libraries' formats (:class:`jaxckpt._foreign_opened.ForeignOpened`, over :mod:`jaxckpt._formats`)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import math
 import os
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -61,10 +60,10 @@ from jaxckpt._tree import PathLike, describe
 
 # Called once the host data of a load is read (with its error, or None), before arrays are placed on
 # devices: a two-tier manager's local restore agrees there that every process could read its own copy
-# (placing arrays may take every process, through JAX's collectives).
-AFTER_READ: contextvars.ContextVar[Callable[[BaseException | None], None] | None] = contextvars.ContextVar(
-    "jaxckpt_after_read", default=None
-)
+# (placing arrays may take every process, through JAX's collectives). LOADED: given each load's values
+# by key (a manager's restores, so that jaxckpt._incremental knows which arrays are a checkpoint's).
+AFTER_READ: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxckpt_after_read", default=None)
+LOADED: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxckpt_loaded", default=None)
 # The arrays of one data store opened for reading: key -> TensorStore array.
 _StoreArrays = dict[str, Any]
 
@@ -203,6 +202,8 @@ class Opened:
         if to_device:  # one call for all: per-call overhead dominates for thousands of small leaves
             arrays = jax.device_put([v for _, v, _ in to_device], [s for _, _, s in to_device])
             out.update(zip([k for k, _, _ in to_device], arrays))
+        if (loaded := LOADED.get()) is not None:
+            loaded(self, {key: out[key] for key in wanted})
         return {key: out[key] for key in wanted}
 
     def exists(self) -> bool:

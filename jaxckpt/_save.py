@@ -7,13 +7,14 @@ import math
 import os
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import crc32c
 import jax
 import numpy as np
 
-from jaxckpt import _format, _multihost, _process_states, _staging, _statefile, _storage, _tensorstore
+from jaxckpt import _format, _incremental, _multihost, _process_states, _staging, _statefile, _storage, _tensorstore
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
     DATA_DIR,
@@ -167,10 +168,19 @@ class Prepared:
     # the staging folder if that fails too.
     unlisted: bool = False
     end_pause: Callable[[], None] = _nothing  # ends prepare's pause of the garbage collector
+    # A manager's incremental saves: what it remembers, and the arrays of this save, for the next.
+    memory: _incremental.Memory | None = None
+    refs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def prepare(
-    path: PathLike, root: Any, *, overwrite: bool = False, budget: int | None = None, own_copy: bool = False
+    path: PathLike,
+    root: Any,
+    *,
+    overwrite: bool = False,
+    budget: int | None = None,
+    own_copy: bool = False,
+    memory: _incremental.Memory | None = None,
 ) -> Prepared:
     """The blocking part of a save: check the destination and every leaf, and take the snapshot
     (:mod:`jaxckpt._snapshot`); the records, packs and index are made by :func:`write_and_publish`.
@@ -180,14 +190,15 @@ def prepare(
     and what is recorded so far is written out first, so a state larger than the budget costs a
     longer call, not more memory. ``budget`` overrides :func:`host_memory_budget`. ``own_copy``: each
     process writes a whole checkpoint of its own at ``path`` (its own disk), holding the packs and
-    every region it has (see :class:`Prepared`).
+    every region it has (see :class:`Prepared`). ``memory``: a manager's, whose unchanged arrays are
+    hard-linked on local disks (:mod:`jaxckpt._incremental`).
 
     The garbage collector stays paused until what was taken is recorded: the collection it put off
     (of every object the snapshot made) then runs there, not in the caller's thread as the call ends.
     """
     end_pause = pause()
     try:
-        p = _prepare(path, root, overwrite, budget, own_copy)
+        p = _prepare(path, root, overwrite, budget, own_copy, memory)
     except BaseException:
         end_pause()
         raise
@@ -199,7 +210,9 @@ def prepare(
     return p
 
 
-def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own_copy: bool) -> Prepared:
+def _prepare(
+    path: PathLike, root: Any, overwrite: bool, budget: int | None, own_copy: bool, memory: _incremental.Memory | None
+) -> Prepared:
     dest = _storage.location(path)
     keys = _staging.check_writable(dest, overwrite)  # in an object store: what is there, listed once
     flat = flatten(root)
@@ -216,13 +229,20 @@ def _prepare(path: PathLike, root: Any, overwrite: bool, budget: int | None, own
         records = _Records(writer, me, limit, staging if own_copy else None)
         if not writer.local:  # an object store: packs sized by the data (see _tensorstore.pack_target)
             records.packer.target = _pack_target(flat, writer.pack_leaf_limit)
-        taken = _take(flat, me, own_copy, limit, writer.pack_leaf_limit)
+        memory = memory if writer.local and staging.local is not None else None
+        linked = {} if memory is None else memory.link(flat.leaves, Path(staging.local), me, own_copy)  # type: ignore[arg-type]
+        rest = {k: x for k, x in flat.leaves.items() if k not in linked} if linked else flat.leaves
+        taken = _take(rest, me, own_copy, limit, writer.pack_leaf_limit)
+        if taken is not None and linked:  # in leaf order, as every process records them
+            taken = {k: linked[k] if k in linked else taken[k] for k in flat.leaves}
         p = Prepared(os.fspath(path), dest, staging, token, overwrite, records, flat, taken, own_copy=own_copy)
+        if memory is not None:
+            p.memory, p.refs = memory, memory.refs(flat.leaves)
         if p.taken is None:  # over the budget: recorded, and written out in parts, here
             taker = Taker(me, own_copy, eager=True, pack_limit=writer.pack_leaf_limit)
-            check_live_and_copy(flat.leaves)
+            check_live_and_copy(rest)
             for key, x in flat.leaves.items():
-                records.add(key, taker.take(key, x))
+                records.add(key, linked[key] if key in linked else taker.take(key, x))
             p.index = records.index(flat)
         if own_copy:
             records.writer_for(DATA_DIR)  # opened now: write_and_publish hands the last pack to it
@@ -251,10 +271,10 @@ def _pack_target(flat: Flat, pack_limit: int) -> int:
     return _tensorstore.pack_target(total, largest)
 
 
-def _take(flat: Flat, me: int, own_copy: bool, budget: int, pack_limit: int) -> dict[str, Any] | None:
+def _take(leaves: dict[str, Any], me: int, own_copy: bool, budget: int, pack_limit: int) -> dict[str, Any] | None:
     """Every leaf taken (see :class:`Taker`), or None if the copies would outgrow ``budget``."""
     taker = Taker(me, own_copy, eager=False, pack_limit=pack_limit)
-    taken = taker.take_all(flat.leaves, budget)
+    taken = taker.take_all(leaves, budget)
     if taken is None:
         return None
     if taker.later:
@@ -288,6 +308,8 @@ class _Records:
         if isinstance(item, (np.ndarray, memoryview)):  # a jax.Array on process 0's CPU device: a view (take_all)
             view = np.asarray(item)
             item = [JAX, None, view, view, 0]
+        elif isinstance(item, _incremental.Linked):  # hard links to an earlier checkpoint's files
+            item = [JAX, None, item.struct, item, 0]
         container, impl, x, host, copied = item
         fresh = isinstance(x, Deferred)
         if fresh:  # read only now; no one else holds it, so it needs no snapshot copy
@@ -346,6 +368,11 @@ class _Records:
         chunks = tuple(_tensorstore.chunk_shape(shape, shards, dtype.itemsize))
         at = InArray(f"a/{self._arrays}", self.writer.stored_dtype(dtype), regions, chunks, layout)
         self._arrays += 1
+        if isinstance(host, _incremental.Linked):
+            assert host.chunks == chunks, f"linked in shards of {host.chunks}, recorded in {chunks}"
+            for store, links in (host.links or {data_store(me): {}}).items():  # none here: as add_array's []
+                self.writer_for(store).add_linked(at.path, shape, dtype, chunks, links)
+            return at
         if self.own_copy is not None and not fresh:
             for store, held in own_copy_parts(x, host).items():
                 self.writer_for(store).add_array(at.path, shape, dtype, chunks, held)
@@ -425,6 +452,8 @@ def write_and_publish(p: Prepared) -> str:
             p.index.save = p.token
             _staging.publish(p.staging, p.dest, encode_index(p.index), p.overwrite)
         _multihost.barrier(f"{p.token}/published")
+        if p.memory is not None and p.dest.local is not None:  # the next save links from this one
+            p.memory.remember(p.dest.local, p.refs, p.index.leaves, p.records.writers)
     except BaseException:
         if primary:  # the others may still be writing into it; a manager removes what is left
             _staging.discard(p.staging)

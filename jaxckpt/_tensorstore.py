@@ -234,6 +234,12 @@ class Writer:
             shards[number] = [_zarr_local.crc32c_of(view) for view in _zarr_write.inner_chunks(data, inner)]
         self._planned.append((path, sharded_metadata(shape, stored, chunks), list(parts)))
 
+    def add_linked(self, path: str, shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int], links: Any) -> None:
+        """Record an array whose shards are hard links already made (local disks only; see
+        :mod:`jaxckpt._incremental`): shard number -> (the link, its chunk key, its CRC-32C)."""
+        assert self._local is not None, "links are made on local disks only"
+        self._local.add_linked(path, shape, dtype, chunks, links)  # stored by its own name locally
+
     def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
         """Record a pack of ``nbytes`` bytes holding ``pieces`` (offset, uint8 data); zeros between them."""
         chunk = pack_chunk(nbytes)

@@ -63,7 +63,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _copy, _local_tree, _multihost, _statefile, _storage
+from jaxckpt import _copy, _incremental, _local_tree, _multihost, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._caller import caller_level
 from jaxckpt._checkpoint import Checkpoint
@@ -124,7 +124,7 @@ class TwoTiers(OneTier):
         policies = [local_policies] if isinstance(local_policies, RetentionPolicy) else list(local_policies)
         super().__init__(checkpoint, directory, max_to_keep, **options)  # the durable tier
         try:
-            local_options = {k: v for k, v in options.items() if k in _SHARED or k == "read_only"}
+            local_options = {k: v for k, v in options.items() if k in (*_SHARED, "read_only", "incremental")}
             self._local = _HostTier(checkpoint, local_directory, policies=policies or [KeepLatest(2)], **local_options)
             self._local._preemption = self._preemption  # its save(step) and should_save see a notice too
         except BaseException:
@@ -350,7 +350,8 @@ class TwoTiers(OneTier):
         for i, info in enumerate(tried):
             local = i + 1 < len(tried)
             try:
-                status = self._restore_from(info, agree=local and _multihost.process_count() > 1)
+                with _incremental.restoring(self._local._memory):  # the local tier's saves link from it
+                    status = self._restore_from(info, agree=local and _multihost.process_count() > 1)
             except JaxckptError as error:  # damaged, gone or unreadable: the durable tier may still serve
                 if not local:
                     raise

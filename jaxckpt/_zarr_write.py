@@ -4,13 +4,14 @@ buffer (``pwritev``), every inner chunk followed by its CRC-32C and the shard's 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
 import os
 import struct
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +24,10 @@ from jaxckpt._zarr_local import CRC, shards_in
 from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, pack_metadata, pack_shard, shard_number
 
 _IOV_MAX = 512  # buffers per pwritev call (Linux allows 1024)
+# A shard hard-linked from an earlier checkpoint: the link, its chunk key, the CRC-32C of its chunks.
+Linked = tuple[str, str, tuple[int, ...]]
+LINKS = ".links"  # the folder of a data store where links wait for their array's number (jaxckpt._incremental)
+ZARR_JSON_LINK = -1  # in the links of an array, not a shard: its zarr.json, linked too where it is the same
 
 
 class _Shard(NamedTuple):
@@ -131,6 +136,7 @@ class LocalWriter:
         self._folder = folder
         self._files: list[tuple[str, list[memoryview | bytes]]] = []  # written as they are: path, pieces
         self._shards: list[_Shard] = []
+        self._links: list[tuple[str, str]] = []  # hard links made in the snapshot -> their place
         self.checksums: _checksums.Written = {}  # of the arrays written so far
 
     def add_array(
@@ -150,6 +156,22 @@ class LocalWriter:
         self.checksums.setdefault(path, {})  # listed even with no shards here (or none at all)
         for number, position, data in shards_of(shape, stored, shard, parts):
             self._shards.append(_Shard(path, number, os.path.join(folder, chunk_key(position)), data, chunk))
+
+    def add_linked(
+        self, path: str, shape: Sequence[int], stored: np.dtype, shard: Sequence[int], links: Mapping[int, Linked]
+    ) -> None:
+        """Record the array at ``path`` whose shards are hard links made already (see
+        :mod:`jaxckpt._incremental`): shard number -> (the link, its chunk key, the CRC-32C of its chunks);
+        its ``zarr.json`` is written unless linked too (:data:`ZARR_JSON_LINK`: no write, no fsync)."""
+        folder = os.path.join(self._folder, path)
+        if ZARR_JSON_LINK not in links:
+            meta = metadata(shape, stored.name, shard, stored.itemsize)
+            self._files.append((os.path.join(folder, "zarr.json"), [json.dumps(meta).encode()]))
+        shards = self.checksums.setdefault(path, {})
+        for number, (link, key, crcs) in links.items():
+            self._links.append((link, os.path.join(folder, key)))
+            if number != ZARR_JSON_LINK:
+                shards[number] = list(crcs)
 
     def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]], chunk: int) -> None:
         """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, uint8 data), in order and apart,
@@ -176,6 +198,13 @@ class LocalWriter:
         """Write everything recorded so far, durably; then forget it."""
         shards, self._shards = self._shards, []
         files, self._files = self._files, []
+        links, self._links = self._links, []
+        try:  # durable as they are; publish makes their folders durable
+            for link, place in links:
+                os.makedirs(os.path.dirname(place), exist_ok=True)
+                os.rename(link, place)
+        except OSError as e:
+            raise StorageError(f"Cannot write the checkpoint's data: {e}", e.errno or errno.EIO) from e
         jobs: list[Callable[[], object]] = [lambda s=s: _write_shard(s) for s in shards]  # type: ignore[misc]
         jobs += [lambda f=f, b=b: _write_file(f, b) for f, b in files]  # type: ignore[misc]
         futures = [io_pool().submit(job) for job in jobs]
@@ -203,6 +232,8 @@ class LocalWriter:
     def finish(self, save: str) -> None:
         """Write, durably, the data store's checksums (see :mod:`jaxckpt._checksums`), once every array is
         flushed; none where it holds no array (only packs, or nothing)."""
+        with contextlib.suppress(OSError):  # the folder of the hard links, empty now
+            os.rmdir(os.path.join(self._folder, LINKS))
         if not self.checksums:
             return
         file = os.path.join(self._folder, CHECKSUMS_FILE)

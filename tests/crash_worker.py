@@ -1,14 +1,19 @@
 """A training job that saves in a loop through a CheckpointManager, to be killed (tests/test_crash.py).
 
-    python crash_worker.py DIRECTORY --leaves N --mbytes M --keep K --steps S [--hook HOOK --hook-at I]
+    python crash_worker.py DIRECTORY --leaves N --mbytes M --keep K --steps S [--hook HOOK --hook-at I] [--frozen]
 
 It resumes from the latest checkpoint of DIRECTORY (step 0 without one), then saves S steps
 asynchronously. Every leaf's values encode the step (:func:`leaf_value`), so a checker can tell a
 checkpoint whose leaves come from different steps. One leaf in 20 is large (its own zarr3 array,
-sharded over 8 CPU devices) and holds most of the bytes; the rest are packed.
+sharded over 8 CPU devices) and holds most of the bytes; the rest are packed. With ``--frozen``, one
+large leaf in two (every 40th leaf, :func:`frozen`) never changes: it keeps the values of step 0 and is
+the same jax.Array at every save (the one restored, after a restart), so the manager's incremental
+saves hard-link its files from the previous checkpoint, and retention deletes checkpoints whose files
+later ones share.
 
 HOOK makes the process SIGKILL itself at an exact instant, the I-th time it gets there:
 
+- ``link``: while a save hard-links a frozen leaf's files (after a random one of its first 8 links);
 - ``retention``: while retention deletes a dropped checkpoint (renamed out of the way first), after a random part of its files is gone;
 - ``state-mid``: halfway through writing the state file's temp file;
 - ``state-before-rename``: with the new state file written and durable, before it replaces the old;
@@ -56,6 +61,11 @@ def leaf_base(i: int, shape: tuple[int, ...]) -> np.ndarray:
     return base.reshape(shape).astype(np.float32 if i % 4 == 3 else np.int32)
 
 
+def frozen(i: int) -> bool:
+    """Whether leaf ``i`` is frozen (with ``--frozen``): every other large leaf."""
+    return i % (2 * LARGE_EVERY) == 0
+
+
 def leaf_value(base: np.ndarray, step: int) -> np.ndarray:
     return base + base.dtype.type(7 * step)
 
@@ -79,6 +89,17 @@ def install_hook(hook: str, at: int, rng: random.Random) -> None:
         seen["n"] += 1
         return seen["n"] == at
 
+    if hook == "link":
+        real_link, at = os.link, rng.randint(1, 8)
+
+        def link_then_die(src, dst, *args, **kwargs):
+            real_link(src, dst, *args, **kwargs)
+            seen["n"] += 1
+            if seen["n"] == at:
+                _die()
+
+        os.link = link_then_die
+        return
     if hook == "retention":
         real_delete = _retention._delete_renamed
 
@@ -127,6 +148,7 @@ def main() -> None:
     parser.add_argument("--hook", default="none")
     parser.add_argument("--hook-at", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--frozen", action="store_true")
     args = parser.parse_args()
 
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -144,10 +166,13 @@ def main() -> None:
     sharded = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
     bases = [leaf_base(i, shape) for i, shape in enumerate(layout(args.leaves, args.mbytes))]
 
-    def params(step: int) -> dict[str, object]:
+    def params(step: int, previous: dict[str, object] | None = None) -> dict[str, object]:
         out = {}
         for i, base in enumerate(bases):
-            value = leaf_value(base, step)
+            if args.frozen and frozen(i) and previous is not None:  # the very same array
+                out[f"l{i}"] = previous[f"l{i}"]
+                continue
+            value = leaf_value(base, 0 if args.frozen and frozen(i) else step)
             if base.ndim == 2:
                 out[f"l{i}"] = jax.device_put(value, sharded)
             else:  # small ones: half jax arrays, half numpy (which a save must copy)
@@ -161,7 +186,7 @@ def main() -> None:
     print("resumed", step, json.dumps(sorted(os.listdir(args.directory))), flush=True)
     for _ in range(args.steps):
         step += 1
-        ckpt.params = params(step)
+        ckpt.params = params(step, ckpt.params)
         ckpt.step = step
         print("saving", step, flush=True)
         manager.save()

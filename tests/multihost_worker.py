@@ -3,7 +3,8 @@
     python multihost_worker.py MODE PROCESS_ID NUM_PROCESSES DEVICES_PER_PROCESS PORT PATH MESH
 
 MODE: save | restore (prints the data stores it opened) | save-then-die (process 1 dies by SIGKILL once its bytes are written) |
-manager (two saves through a CheckpointManager) | manager-fail (process 1 fails the first save before
+manager (two saves through a CheckpointManager) | manager-incremental (two saves, a restore by a new
+manager, a third save: the unchanged arrays are hard-linked) | manager-fail (process 1 fails the first save before
 its token; every process must raise there, and the next save must work) | manager-retention (each
 process has its own clock and metrics; all must keep what process 0 decided) | iterator-save, iterator-restore, iterator-tiers (each
 process's data iterator state differs; each gets its own back). MESH: e.g. 4x2 over all devices of all processes.
@@ -123,6 +124,17 @@ elif mode == "manager":
     )
     fresh.restore(jaxckpt.latest_checkpoint(path)).assert_consumed()
     check(fresh.state)
+elif mode == "manager-incremental":  # the second save, and the one after a restore, link the large arrays
+    ckpt = jaxckpt.Checkpoint(state=state())
+    with jaxckpt.CheckpointManager(ckpt, path, max_to_keep=3) as manager:
+        manager.save()
+        manager.save()
+    template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k)) for k, v in VALUES.items()}
+    fresh = jaxckpt.Checkpoint(state={**template, "step": 0})
+    with jaxckpt.CheckpointManager(fresh, path, max_to_keep=3) as manager:
+        manager.restore_or_initialize()
+        check(fresh.state)
+        manager.save()
 elif mode == "manager-fail":
     fail_first_snapshot_on_process_1()
     with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(state=state()), path, max_to_keep=1) as manager:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from crash_worker import layout, leaf_base, leaf_value, step_of
+from crash_worker import frozen, layout, leaf_base, leaf_value, step_of
 
 import jaxckpt
 from jaxckpt import _statefile
@@ -65,8 +65,11 @@ class Run:
 class Job:
     """A directory that worker runs save into, one after another, and what the last check found there."""
 
-    def __init__(self, directory: Path, *, leaves: int, mbytes: float, keep: int, seed: int) -> None:
+    def __init__(
+        self, directory: Path, *, leaves: int, mbytes: float, keep: int, seed: int, frozen: bool = False
+    ) -> None:
         self.directory, self.leaves, self.mbytes, self.keep = directory, leaves, mbytes, keep
+        self.frozen = frozen  # frozen leaves (see crash_worker.frozen) keep step 0's values
         self.bases = [leaf_base(i, shape) for i, shape in enumerate(layout(leaves, mbytes))]
         self.listed: list[CheckpointInfo] = []  # what the state file listed at the last check
         self.rng = random.Random(seed)
@@ -78,6 +81,7 @@ class Job:
         args = [sys.executable, str(WORKER), str(self.directory), "--leaves", str(self.leaves)]
         args += ["--mbytes", str(self.mbytes), "--keep", str(self.keep), "--steps", str(steps)]
         args += ["--hook", hook, "--hook-at", "1", "--seed", str(self.rng.randrange(2**32))]
+        args += ["--frozen"] if self.frozen else []
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         stderr = open(self.directory.parent / f"stderr-{self.runs}.txt", "w+")  # closed at the end of run()
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1, env=env)
@@ -157,7 +161,7 @@ class Job:
         assert sorted(params) == sorted(f"l{i}" for i in range(len(self.bases))), context
         for i, base in enumerate(self.bases):
             value = params[f"l{i}"]
-            if not np.array_equal(value, leaf_value(base, info.step)):
+            if not np.array_equal(value, leaf_value(base, 0 if self.frozen and frozen(i) else info.step)):
                 pytest.fail(
                     f"{context}: {info.path} is listed at step {info.step}, but leaf l{i} holds the values of "
                     f"step {step_of(base, value)}"
@@ -184,10 +188,21 @@ class Job:
         names = {os.path.basename(c.path) for c in self.listed}
         assert sorted(os.listdir(self.directory)) == sorted(names | {"checkpoint"})
         assert len(names) == self.keep
+        if self.frozen:  # the kept checkpoints share the frozen leaves' files: the kills hit saves that link
+            for i in (i for i in range(len(self.bases)) if frozen(i)):
+                files = [self._files(info, f"params/l{i}") for info in self.listed]
+                assert all(f == files[0] and f for f in files), f"leaf l{i} is not shared: {files}"
+
+    @staticmethod
+    def _files(info: CheckpointInfo, key: str) -> dict[str, int]:
+        """The shard files of an array leaf: path in its folder -> inode."""
+        index = json.loads(Path(info.path, "index.json").read_text())
+        folder = Path(info.path, "data", index["leaves"][key]["at"]["array"], "c")
+        return {str(p.relative_to(folder)): p.stat().st_ino for p in folder.rglob("*") if p.is_file()}
 
 
-def random_kills(tmp_path: Path, *, trials: int, leaves: int, mbytes: float) -> Job:
-    job = Job(tmp_path / "ckpts", leaves=leaves, mbytes=mbytes, keep=3, seed=_seed())
+def random_kills(tmp_path: Path, *, trials: int, leaves: int, mbytes: float, frozen: bool = False) -> Job:
+    job = Job(tmp_path / "ckpts", leaves=leaves, mbytes=mbytes, keep=3, seed=_seed(), frozen=frozen)
     first = job.run(steps=3)
     job.check(first, "first run")
     assert first.returncode == 0, first.stderr
@@ -209,16 +224,17 @@ def random_kills(tmp_path: Path, *, trials: int, leaves: int, mbytes: float) -> 
     return job
 
 
-def exact_kills(tmp_path: Path, *, rounds: int) -> Job:
-    job = Job(tmp_path / "ckpts", leaves=40, mbytes=4, keep=2, seed=_seed())
+def exact_kills(tmp_path: Path, *, rounds: int, frozen: bool = False) -> Job:
+    job = Job(tmp_path / "ckpts", leaves=40, mbytes=4, keep=2, seed=_seed(), frozen=frozen)
     job.check(job.run(steps=3), "first run")  # so that the next save's retention deletes one
+    hooks = ["link", *HOOKS] if frozen else HOOKS
     for _ in range(rounds):
-        for hook in HOOKS:
+        for hook in hooks:
             run = job.run(steps=3, hook=hook)
             assert run.killed, f"the {hook} hook did not fire:\n{run.stderr}"
             job.check(run, f"kill at {hook}")
     job.finish()
-    print(f"\ncrash: {job.kills} kills at exact instants ({', '.join(HOOKS)}), nothing lost (seed {job.seed})")
+    print(f"\ncrash: {job.kills} kills at exact instants ({', '.join(hooks)}), nothing lost (seed {job.seed})")
     return job
 
 
@@ -230,6 +246,16 @@ def test_kills_during_retention_and_state_file_rewrite(tmp_path):
     exact_kills(tmp_path, rounds=1)
 
 
+def test_random_kills_while_saving_and_deleting_shared_data(tmp_path):
+    """Incremental saves: frozen leaves hard-linked from the previous checkpoint at every save, and
+    retention deleting the checkpoints that first wrote them."""
+    random_kills(tmp_path, trials=4, leaves=200, mbytes=50, frozen=True)
+
+
+def test_kills_while_linking_and_while_deleting_shared_data(tmp_path):
+    exact_kills(tmp_path, rounds=1, frozen=True)
+
+
 @pytest.mark.stress
 def test_random_kills_while_saving_stress(tmp_path, stress_scale):
     random_kills(tmp_path, trials=24 * stress_scale, leaves=400, mbytes=200)
@@ -238,6 +264,16 @@ def test_random_kills_while_saving_stress(tmp_path, stress_scale):
 @pytest.mark.stress
 def test_kills_during_retention_and_state_file_rewrite_stress(tmp_path, stress_scale):
     exact_kills(tmp_path, rounds=4 * stress_scale)
+
+
+@pytest.mark.stress
+def test_kills_while_saving_and_deleting_shared_data_stress(tmp_path, stress_scale):
+    random_kills(tmp_path, trials=24 * stress_scale, leaves=400, mbytes=200, frozen=True)
+
+
+@pytest.mark.stress
+def test_kills_while_linking_and_while_deleting_shared_data_stress(tmp_path, stress_scale):
+    exact_kills(tmp_path, rounds=4 * stress_scale, frozen=True)
 
 
 def test_the_check_catches_a_checkpoint_of_mixed_steps(tmp_path):

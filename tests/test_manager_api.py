@@ -33,6 +33,7 @@ PARAMETERS = {
     "durable_interval_steps": None,
     "preemption_grace_s": 30.0,
     "metadata": None,
+    "incremental": True,
 }
 
 # The public calls and attributes, on a manager of one tier or two alike.

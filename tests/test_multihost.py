@@ -132,6 +132,38 @@ def test_manager_across_processes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "ckpt-2"]  # lock released, ckpt-1 gone
 
 
+def test_incremental_saves_across_processes_link_each_process_s_own_shards(tmp_path):
+    ok(run("manager-incremental", tmp_path, nproc=2, ndev=2, mesh="2x2"), "manager-incremental")
+    names = ["ckpt-1", "ckpt-2", "ckpt-3"]
+    index = json.loads((tmp_path / "ckpt-1" / "index.json").read_text())
+    for key in ("state/rows", "state/cols", "state/replicated"):  # over 1 MiB: remembered, so linked
+        array = index["leaves"][key]["at"]["array"]
+        files = [
+            {
+                str(p.relative_to(tmp_path / n)): p.stat()
+                for p in (tmp_path / n).glob(f"data*/{array}/c/**/*")
+                if p.is_file()
+            }
+            for n in names
+        ]
+        assert files[0] and all(f.keys() == files[0].keys() for f in files), (key, files)
+        stores = {name.split("/")[0] for name in files[0]}
+        assert stores == ({"data", "data.p1"} if key == "state/rows" else {"data"}), (key, stores)
+        for name, first in files[0].items():  # written once, by the process that owns the shard
+            assert all(f[name].st_ino == first.st_ino for f in files[1:]) and first.st_nlink == 3, (key, name)
+    rng = np.random.default_rng(7)  # the worker's values
+    values = {
+        "xy": rng.standard_normal((64, 48)).astype(np.float32),
+        "rows": rng.standard_normal((512, 640)).astype(np.float32),
+        "cols": rng.integers(0, 100, (16, 40_000)).astype(np.int32),
+        "replicated": rng.standard_normal((600, 600)).astype(np.float32),
+    }
+    for n in names:
+        restored = jaxckpt.restore(tmp_path / n)
+        for name, value in values.items():
+            np.testing.assert_array_equal(restored["state"][name], value, err_msg=f"{n} {name}")
+
+
 def test_a_save_one_process_fails_before_its_token_fails_everywhere_and_the_next_works(tmp_path):
     # Before: the others went on and waited at a barrier, and the failed process's save counter lagged
     # behind, so every later save waited for a token of another save until the barrier timeout.

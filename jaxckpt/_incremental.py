@@ -1,0 +1,283 @@
+"""Incremental checkpoints on local disks: a manager's save hard-links the shard files of an unchanged
+``jax.Array`` from the checkpoint that holds them, instead of writing them again.
+
+**What is unchanged.** A ``jax.Array`` is immutable, so the very object a manager last saved, or
+that a restore through it returned, still holds those values. :class:`Memory` (one per manager
+tier, per process) remembers, for each large array leaf of the last save or restore, a weak
+reference to it (never a strong one: that would pin its device memory) and where this process's
+shards of it are on disk: each file and the CRC-32C of its inner chunks (from the save that wrote
+them, or the restored checkpoint's ``checksums.json``). At the next save a leaf that ``is`` such an
+array, not deleted, whose shards this process would write are exactly those remembered (same
+shape, dtype, shard shape and shard numbers), is linked. Identity, not value: an equal array that
+is another object is written. numpy arrays and other host values are always written, and so are
+packed (small) leaves.
+
+**Linking, crash-safely.** :meth:`Memory.link` runs in the caller's thread, in the save's snapshot
+(while the array is surely alive): it hard-links every remembered file into the save's staging
+folder under a temporary name (:data:`LINKS`). If any link fails (the source deleted by retention
+meanwhile, another file system, no hard links there) those of the array are removed and the array
+is taken and written as any other. The background then renames each link to its place ``a/<n>/c/...``
+(:meth:`jaxckpt._zarr_write.LocalWriter.add_linked`), writes a fresh ``zarr.json``, and lists the
+old CRCs in the new ``checksums.json`` (the bytes are the same). Nothing is visible before the
+atomic publish, which fsyncs every folder; a crash leaves a staging folder that the next manager
+removes. Each checkpoint stays a whole folder that any reader opens as before, and deleting the
+checkpoint that first wrote the data leaves it alive in the others (the link count).
+
+Only local disks: buckets and the durable copies of two tiers are written in full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import weakref
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxckpt import _reader, _tensorstore
+from jaxckpt._checksums import StoreChecksums
+from jaxckpt._errors import JaxckptError
+from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray, data_store
+from jaxckpt._snapshot import owners, process_of, region
+from jaxckpt._zarr_local import shards_in
+from jaxckpt._zarr_meta import chunk_key, metadata, shard_number
+from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK
+
+_CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json read to find CRCs
+
+
+class Shard(NamedTuple):
+    file: str  # the file that holds it (absolute)
+    crcs: tuple[int, ...]  # the CRC-32C of each of its inner chunks
+    inode: int | None = None  # the file's, when a save wrote it: a file put at its path since is not linked
+
+
+class Linked(NamedTuple):
+    """A leaf taken as links: what ``_save`` records for it, and the links to put in place."""
+
+    struct: jax.ShapeDtypeStruct  # its shape, dtype and sharding
+    chunks: tuple[int, ...]
+    links: dict[str, dict[int, tuple[str, str, tuple[int, ...]]]]  # store -> number -> (link, chunk key, CRCs)
+
+
+@dataclasses.dataclass
+class _Entry:
+    ref: weakref.ref[jax.Array]
+    chunks: tuple[int, ...]
+    stored: str
+    shards: dict[tuple[str, int], Shard] | None = None  # written by a save: (store, number) -> shard
+    restored: tuple[Path, str, str] | None = None  # restored: the checkpoint, the array's path, its save
+
+
+def plan(x: jax.Array, me: int, own_copy: bool) -> tuple[tuple[int, ...], dict[tuple[str, int], str]] | None:
+    """The shard shape of ``x`` and the shards this process writes of it on a local disk, as ``_save``
+    decides them: (store, shard number) -> chunk key; None if it is packed (no files of its own)."""
+    owned = owners(x)
+    if x.nbytes <= _tensorstore.PACK_LEAF_LIMIT and {process_of(d) for d in owned.values()} == {0}:
+        return None
+    shape = tuple(x.shape)
+    shards = [max(b - a for a, b in dims) for dims in zip(*owned)] if shape else []
+    chunks = tuple(_tensorstore.chunk_shape(shape, shards, np.dtype(x.dtype).itemsize))
+    if own_copy:  # every region held here, in the store of the process that owns it
+        held = {region(s.index, shape) for s in x.addressable_shards}
+        boxes = [(box, data_store(process_of(owned[box]))) for box in held]
+    else:
+        here = {s.device for s in x.addressable_shards}
+        boxes = [(box, data_store(me)) for box, d in owned.items() if d in here and process_of(d) == me]
+    out = {}
+    for box, store in boxes:
+        for position, _ in shards_in(box, chunks, shape):
+            out[(store, shard_number(position, shape, chunks))] = chunk_key(position)
+    return chunks, out
+
+
+class Memory:
+    """What one manager tier last saved or restored, in this process (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _Entry] = {}
+        self._restored: dict[int, _Entry] = {}
+
+    def link(self, leaves: Mapping[str, Any], staging: Path, me: int, own_copy: bool) -> dict[str, Linked]:
+        """Link the files of every leaf that is a remembered array into ``staging``; the leaves linked."""
+        out: dict[str, Linked] = {}
+        if not (self._entries or self._restored):
+            return out
+        for key, x in leaves.items():
+            entry = self._entries.get(id(x)) or self._restored.get(id(x))
+            if entry is None or entry.ref() is not x or not isinstance(x, jax.Array):
+                continue
+            if x.is_deleted() or not isinstance(x.dtype, np.dtype):  # a deleted one is refused as ever
+                continue
+            planned = plan(x, me, own_copy)
+            if planned is None or planned[0] != entry.chunks or entry.stored != np.dtype(x.dtype).name:
+                continue
+            sources = self._sources(entry, planned[1])
+            if sources is not None:
+                meta = json.dumps(metadata(x.shape, entry.stored, entry.chunks, np.dtype(x.dtype).itemsize)).encode()
+                linked = _link_all(sources, planned[1], staging, len(out), meta)
+                if linked is not None:
+                    out[key] = Linked(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), planned[0], linked)
+        return out
+
+    def _sources(self, entry: _Entry, wanted: Mapping[tuple[str, int], str]) -> dict[tuple[str, int], Shard] | None:
+        """Where each wanted shard is, or None if one is not known."""
+        if entry.shards is not None:
+            found = {k: entry.shards[k] for k in wanted if k in entry.shards}
+            return found if len(found) == len(wanted) else None
+        assert entry.restored is not None
+        folder, array, save = entry.restored
+        out: dict[tuple[str, int], Shard] = {}
+        stores: dict[str, dict[int, tuple[int, ...]]] = {}
+        names = sorted(n for n in _listdir(folder) if n.startswith("data")) if wanted else []
+        for (store, number), key in wanted.items():
+            # The checkpoint restored may have been saved by other processes or another mesh: any of
+            # its data stores that holds the shard will do (the same store first). Its checksums name
+            # the save restored, so a checkpoint saved at that path since is not linked from.
+            for name in [store, *(n for n in names if n != store)]:
+                if name not in stores:
+                    stores[name] = _checksums_of(folder / name, array, save)
+                if number in stores[name]:
+                    out[(store, number)] = Shard(str(folder / name / array / key), stores[name][number])
+                    break
+            else:
+                return None
+        return out
+
+    def refs(self, leaves: Mapping[str, Any]) -> dict[str, weakref.ref[jax.Array]]:
+        """Weak references to the array leaves that may get files of their own, for :meth:`remember`."""
+        limit = _tensorstore.PACK_LEAF_LIMIT
+        return {k: weakref.ref(x) for k, x in leaves.items() if isinstance(x, jax.Array) and x.nbytes > limit}
+
+    def remember(
+        self,
+        dest: Path,
+        refs: Mapping[str, weakref.ref[jax.Array]],
+        leaves: Mapping[str, Any],
+        writers: Mapping[str, Any],
+    ) -> None:
+        """After a save published at ``dest``: its arrays' files (this process's), in place of what was remembered."""
+        entries: dict[int, _Entry] = {}
+        for key, ref in refs.items():
+            leaf, x = leaves.get(key), ref()
+            if (
+                x is None
+                or not isinstance(leaf, ArrayLeaf)
+                or not isinstance(leaf.at, InArray)
+                or leaf.at.chunks is None
+            ):
+                continue
+            at, chunks = leaf.at, tuple(leaf.at.chunks)
+            grid = [-(-n // s) for n, s in zip(leaf.shape, chunks)]
+            shards = {}
+            for store, writer in writers.items():
+                for number, crcs in writer.checksums.get(at.path, {}).items():
+                    file = dest / store / at.path / chunk_key(np.unravel_index(number, grid) if grid else ())
+                    try:
+                        shards[(store, number)] = Shard(str(file), tuple(crcs), os.stat(file).st_ino)
+                    except OSError:  # not there (deleted already?): not linked from
+                        continue
+            entries[id(x)] = _Entry(ref, chunks, at.stored, shards=shards)
+        self._entries, self._restored = entries, {}
+
+    def loaded(self, opened: Any, values: Mapping[str, Any]) -> None:
+        """A restore's values (``_reader.LOADED``): the arrays read unchanged from a local checkpoint of format 5."""
+        index, folder = opened.index, opened.location.local
+        if folder is None or index.save is None:
+            return
+        for key, x in values.items():
+            leaf = index.leaves.get(key)
+            if (
+                isinstance(x, jax.Array)
+                and isinstance(leaf, ArrayLeaf)
+                and isinstance(leaf.at, InArray)
+                and leaf.at.chunks is not None
+                and not leaf.prng_impl
+                and x.dtype == leaf.dtype
+                and tuple(x.shape) == tuple(leaf.shape)
+            ):
+                ref = weakref.ref(x)
+                self._restored[id(x)] = _Entry(
+                    ref, tuple(leaf.at.chunks), leaf.at.stored, restored=(Path(folder), leaf.at.path, index.save)
+                )
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """Remember what the restores inside return."""
+        token = _reader.LOADED.set(self.loaded)
+        try:
+            yield
+        finally:
+            _reader.LOADED.reset(token)
+
+
+def restoring(memory: Memory | None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if memory is None else memory.restoring()
+
+
+def _listdir(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _checksums_of(store: Path, array: str, save: str) -> dict[int, tuple[int, ...]]:
+    """The CRCs of ``array``'s shards that data store ``store`` lists for save ``save`` (none if unreadable)."""
+    try:
+        with open(store / CHECKSUMS_FILE, "rb") as f:
+            data = f.read(_CHECKSUMS_LIMIT + 1)
+        if len(data) > _CHECKSUMS_LIMIT:
+            return {}
+        return StoreChecksums(data, repr(str(store / CHECKSUMS_FILE)), save).of_array(array)
+    except (OSError, JaxckptError):
+        return {}
+
+
+def _read_small(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 16)
+    except OSError:
+        return None
+
+
+def _link_all(
+    sources: Mapping[tuple[str, int], Shard],
+    keys: Mapping[tuple[str, int], str],
+    staging: Path,
+    n: int,
+    meta: bytes,
+) -> dict[str, dict[int, tuple[str, str, tuple[int, ...]]]] | None:
+    """Hard-link every source into ``<staging>/<store>/.links/``; None (and no link left) if one fails.
+    A source's ``zarr.json`` is linked too where it holds exactly ``meta`` (else the save writes it)."""
+    made: list[str] = []
+    out: dict[str, dict[int, tuple[str, str, tuple[int, ...]]]] = {}
+    try:
+        for (store, number), shard in sources.items():
+            folder = staging / store / LINKS
+            folder.mkdir(parents=True, exist_ok=True)
+            link = str(folder / f"{n}-{number}")
+            os.link(shard.file, link)
+            made.append(link)
+            if shard.inode is not None and os.stat(link).st_ino != shard.inode:
+                raise FileNotFoundError(f"{shard.file} is another file than the one saved")
+            out.setdefault(store, {})[number] = (link, keys[(store, number)], shard.crcs)
+            if ZARR_JSON_LINK not in out[store]:
+                source = os.path.join(shard.file[: -len(keys[(store, number)]) - 1], "zarr.json")
+                if _read_small(source) == meta:
+                    os.link(source, f"{link}-zarr.json")
+                    made.append(f"{link}-zarr.json")
+                    out[store][ZARR_JSON_LINK] = (f"{link}-zarr.json", "zarr.json", ())
+    except OSError:
+        for link in made:
+            with contextlib.suppress(OSError):
+                os.unlink(link)
+        return None
+    return out
