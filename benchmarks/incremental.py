@@ -36,7 +36,6 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -255,7 +254,7 @@ def main(argv: list[str]) -> None:
     if args.quick:
         args.side, args.steps = 1024, 5
     configs = [c for c in args.configs.split(",") if c]
-    from run import _read, export_revision, jaxckpt_source, machine_info, versions
+    from run import _read, export_revision, machine_info, write_record
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxckpt-incremental-", dir="/tmp")
     os.makedirs(workdir, exist_ok=True)
@@ -275,25 +274,7 @@ def main(argv: list[str]) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     summary = summarize(results)
     full = not args.quick and args.side == 4096 and set(configs) == set(CONFIGS)
-    out_dir = HERE if full else os.path.join(HERE, ".work")
-    os.makedirs(out_dir, exist_ok=True)
-    record = {
-        "started": started,
-        "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "benchmarks/incremental.py", *argv]),
-        "note": args.note,
-        "git": subprocess.run(
-            ["git", "-C", HERE, "describe", "--always", "--dirty"], capture_output=True, text=True
-        ).stdout.strip(),
-        "jaxckpt_measured": jaxckpt_source(),
-        "machine": info,
-        "versions": versions(),
-        "summary": summary,
-        "runs": results,
-    }
-    path = os.path.join(out_dir, "incremental.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    path, record = write_record("incremental", argv, args.note, started, info, summary, results, full)
     first = next(iter(results.values()))
     print(
         f"\n{first['state_bytes'] / MiB:.0f} MiB of state; {args.steps} saves per configuration; load average "

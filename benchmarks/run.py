@@ -94,6 +94,38 @@ def jaxckpt_source() -> str:
     return f"this checkout at {head}" + (" with uncommitted changes in jaxckpt/" if edited and edited != "?" else "")
 
 
+def write_record(
+    script: str,
+    argv: list[str],
+    note: str | None,
+    started: str,
+    info: dict[str, Any],
+    summary: Any,
+    runs: Any,
+    full: bool,
+) -> tuple[str, dict[str, Any]]:
+    """Write a side benchmark's results (``benchmarks/<script>.json``) with the machine, versions and
+    command; here for a full run, under ``benchmarks/.work/`` otherwise. Returns the path and record."""
+    out_dir = HERE if full else os.path.join(HERE, ".work")
+    os.makedirs(out_dir, exist_ok=True)
+    record = {
+        "started": started,
+        "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": shlex.join(["python", f"benchmarks/{script}.py", *argv]),
+        "note": note,
+        "git": _cmd("git", "-C", HERE, "describe", "--always", "--dirty"),
+        "jaxckpt_measured": jaxckpt_source(),
+        "machine": info,
+        "versions": versions(),
+        "summary": summary,
+        "runs": runs,
+    }
+    path = os.path.join(out_dir, f"{script}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return path, record
+
+
 def export_revision(rev: str, work: str) -> str:
     """A folder holding jaxckpt/ as committed at ``rev`` (git archive; the checkout is not touched)."""
     repo = os.path.dirname(HERE)

@@ -32,7 +32,6 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -98,7 +97,8 @@ def child(config: str, workdir: str, size: int, leaves: int, saves: int, steps_p
             durable_interval_steps=every,
         )
     # The manager whose background save a new save waits for (the local tier's when there are two).
-    writer = getattr(manager, "_local", manager)
+    part = manager._part  # the part doing the work: one tier, or two (then its local tier saves)
+    writer = getattr(part, "_local", part)
 
     manager.save(step=0)  # warm-up: TensorStore's and the S3 client's first use
     manager.wait_until_finished()
@@ -261,7 +261,7 @@ def main(argv: list[str]) -> None:
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         p.error(f"unknown configurations: {', '.join(sorted(unknown))}")
-    from run import _read, export_revision, jaxckpt_source, machine_info, versions
+    from run import _read, export_revision, machine_info, write_record
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="jaxckpt-tiers-", dir="/tmp")
     os.makedirs(workdir, exist_ok=True)
@@ -279,25 +279,7 @@ def main(argv: list[str]) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     summary = summarize(results)
     full = not args.quick and args.size_mib == 1024 and set(configs) == set(CONFIGS)
-    out_dir = HERE if full else os.path.join(HERE, ".work")
-    os.makedirs(out_dir, exist_ok=True)
-    record = {
-        "started": started,
-        "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "benchmarks/tiers.py", *argv]),
-        "note": args.note,
-        "git": subprocess.run(
-            ["git", "-C", HERE, "describe", "--always", "--dirty"], capture_output=True, text=True
-        ).stdout.strip(),
-        "jaxckpt_measured": jaxckpt_source(),
-        "machine": info,
-        "versions": versions(),
-        "summary": summary,
-        "runs": results,
-    }
-    path = os.path.join(out_dir, "tiers.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    path, record = write_record("tiers", argv, args.note, started, info, summary, results, full)
     first = next(iter(results.values()))
     print(
         f"\n{first['bytes'] / MiB:.0f} MiB in {first['leaves']} float32 arrays; {args.saves} timed saves, "
