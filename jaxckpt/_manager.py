@@ -207,25 +207,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         force: bool = False,
         metrics: Mapping[str, Any] | None = None,
     ) -> str | None:
-        """Write a new checkpoint, record it, and apply retention; returns its prefix.
-
-        With ``checkpoint_interval``, returns None without saving, as TensorFlow's manager does, when
-        the step is the one this manager last saved or restored (see :meth:`restore_or_initialize`),
-        or, unless ``check_interval=False``, fewer than ``checkpoint_interval`` steps after it; a
-        manager that has neither saved nor restored yet saves. It also returns None when
-        :meth:`should_save` says no (``save_interval_steps``; a preemption notice says yes), for the
-        step counter's step, ``step``, or without a step counter ``checkpoint_number`` (so that Orbax's
-        positional ``save(step)`` keeps to the interval). ``force=True`` saves regardless.
-        ``checkpoint_number`` names it (``save(checkpoint_number=n)`` gives ``ckpt-<n>``); numbers already
-        listed are refused. ``step=s``, as Orbax's managers take it, names it ``ckpt-<s>`` and records
-        ``s`` as its step (no ``step_counter`` needed). ``metrics`` are recorded for :class:`KeepBest`
-        and :attr:`checkpoint_infos`.
-
-        The checkpoints that retention drops are deleted in the background once the state file no
-        longer lists them, one manager's in order; :meth:`wait_until_finished` and :meth:`close` wait
-        for that. A deletion that fails leaves garbage that the next manager removes: the next save
-        warns, and :meth:`wait_until_finished` and :meth:`close` raise it.
-        """
+        """Write a new checkpoint, record it, and apply retention (see :meth:`jaxckpt.CheckpointManager.save`)."""
         if step is not None:
             step = operator.index(step)
             if checkpoint_number is not None and operator.index(checkpoint_number) != step:
