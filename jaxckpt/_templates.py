@@ -97,7 +97,7 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
             f"Cannot restore into {describe(key)}: the object holds a {type(template).__name__}, which jaxckpt "
             "cannot restore into. Hold an array, a jax.ShapeDtypeStruct, a Python scalar or a pytree of them there."
         )
-    is_key = jax.dtypes.issubdtype(template.dtype, jax.dtypes.prng_key)
+    is_key = _is_key(template.dtype)
     if isinstance(leaf, ValueLeaf):
         if is_key or template.shape != () or leaf.type not in ("bool", "int", "float"):
             raise _mismatch(key, leaf, template)
@@ -123,10 +123,16 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
         )
 
 
+@functools.cache
+def _is_key(dtype: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
 # The numpy dtype kinds of a stored 0-d array that restores into a Python scalar of each type.
 _SCALAR_FROM: dict[str | None, str] = {"bool": "b", "int": "biu", "float": "biuf"}
 
 
+@functools.cache  # per dtype, not per leaf: jax's issubdtype is the most of a 10,000-leaf check
 def _kind(dtype: Any) -> str | None:
     """Which casts a dtype takes part in: "float" (float64 ... float4, bfloat16, float8), "int" (any
     width, signed or not), None for bool (never cast), "other" (complex: never cast)."""
