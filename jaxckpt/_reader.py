@@ -188,17 +188,12 @@ class Opened:
         for key, template in wanted.items():
             leaf = self.index.leaves[key]
             value: Any = data.get(key)  # None for a value leaf
-            if isinstance(leaf, ArrayLeaf) and not isinstance(value, jax.Array):
-                value = cast_for(key, leaf, template, value)  # a no-op for arrays read below
-            if (
-                isinstance(leaf, ArrayLeaf)
-                and not leaf.prng_impl
-                and isinstance(template, (jax.Array, jax.ShapeDtypeStruct))
-                and not isinstance(value, jax.Array)
-            ):
-                to_device.append((key, value, target_sharding(template, key)))
-            else:
-                out[key] = restored_value(leaf, template, value)
+            if isinstance(leaf, ArrayLeaf) and not isinstance(value, jax.Array):  # host data
+                value = cast_for(key, leaf, template, value)
+                if not leaf.prng_impl and isinstance(template, (jax.Array, jax.ShapeDtypeStruct)):
+                    to_device.append((key, value, target_sharding(template, key)))
+                    continue
+            out[key] = restored_value(leaf, template, value)
         if to_device:  # one call for all: per-call overhead dominates for thousands of small leaves
             arrays = jax.device_put([v for _, v, _ in to_device], [s for _, _, s in to_device])
             out.update(zip([k for k, _, _ in to_device], arrays))
@@ -288,6 +283,11 @@ class Opened:
             assert isinstance(leaf, ArrayLeaf)
             at = _in_store(leaf)
             extra: dict[str, int] = {}
+            if isinstance(at, InPack) and (not sharded or at.pack in packs):  # as below, in short (many leaves)
+                if leaf.nbytes:
+                    claims[DATA_DIR] += leaf.nbytes
+                    largest[DATA_DIR] = max(largest.get(DATA_DIR, (-1, "")), (leaf.nbytes, key))
+                continue
             if isinstance(at, InArray):
                 boxes: dict[str, list[Box]] = defaultdict(list)
                 if plans is not None and key in plans:
