@@ -55,7 +55,7 @@ from jaxckpt._read_plan import (
     region_key,
     stores_in,
 )
-from jaxckpt._templates import NO_TEMPLATE, cast_for, check, restored_value, target_sharding
+from jaxckpt._templates import NO_TEMPLATE, cast_for, check, put_all, restored_value, target_sharding
 from jaxckpt._tree import PathLike, describe
 
 # Called once the host data of a load is read (with its error, or None), before arrays are placed on
@@ -195,7 +195,7 @@ class Opened:
                     continue
             out[key] = restored_value(leaf, template, value)
         if to_device:  # one call for all: per-call overhead dominates for thousands of small leaves
-            arrays = jax.device_put([v for _, v, _ in to_device], [s for _, _, s in to_device])
+            arrays = put_all([v for _, v, _ in to_device], [s for _, _, s in to_device])
             out.update(zip([k for k, _, _ in to_device], arrays))
         if (loaded := LOADED.get()) is not None:
             loaded(self, {key: out[key] for key in wanted})

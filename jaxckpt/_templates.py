@@ -194,6 +194,14 @@ def target_sharding(template: Any, key: str = "") -> jax.sharding.Sharding | Non
     return None
 
 
+def put_all(values: list[Any], shardings: list[Any]) -> list[jax.Array]:
+    """``values`` placed with one ``jax.device_put``, whose cost per call dominates for many small
+    leaves. Given one sharding object for all of them (the common case) rather than a list, jax need
+    not match a list of shardings to the leaves one by one."""
+    one = shardings[0]
+    return jax.device_put(values, one if all(s is one for s in shardings) else shardings)
+
+
 def _on_mesh_in_context(key: str, sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
     """An abstract template's sharding (``nnx.eval_shape`` under ``jax.set_mesh`` gives these) placed
     on the concrete mesh in context."""
