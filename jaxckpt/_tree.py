@@ -349,8 +349,9 @@ def flatten(root: Any, prefix: str = "") -> Flat:
     return flat
 
 
-# Types whose objects are leaves as they are (flatten files them at once); jax's array type is added when met.
-_PLAIN_LEAVES: set[type] = {np.ndarray, type(None), bool, int, float, str}
+# Types whose objects are leaves as they are (flatten and rebuild file them at once, not through decompose);
+# jax's array type is added when met. A ShapeDtypeStruct is a restore's template.
+_PLAIN_LEAVES: set[type] = {np.ndarray, type(None), bool, int, float, str, jax.ShapeDtypeStruct}
 
 
 def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
@@ -443,7 +444,7 @@ def rebuild(
     new = []
     for c, k in zip(node.children, child_keys(prefix, node.info)):
         t = type(c)
-        if t is jax.ShapeDtypeStruct or t in _PLAIN_LEAVES:  # a leaf, as the call below finds (10,000 calls less)
+        if t in _PLAIN_LEAVES:  # a leaf, as the call below finds (10,000 calls less)
             if t is jax.ShapeDtypeStruct and k not in values:
                 _placeholders.append(k)
             new.append(values.get(k, c))
