@@ -141,7 +141,13 @@ def _fail(where: object, msg: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"Invalid checkpoint index {where}: {msg}")
 
 
+_ABSENT = object()
+
+
 def _get(obj: Any, name: str, types: type | tuple[type, ...], where: object) -> Any:
+    value = obj.get(name, _ABSENT) if type(obj) is dict else _ABSENT
+    if type(value) is types:  # the common case, ten times a leaf: exactly the one type asked for
+        return value
     if not isinstance(obj, dict):
         raise _fail(where, f"expected a JSON object, found {type(obj).__name__}")
     if name not in obj:

@@ -55,7 +55,7 @@ from jaxckpt._read_plan import (
     region_key,
     stores_in,
 )
-from jaxckpt._templates import NO_TEMPLATE, cast_for, check, restored_value, target_sharding
+from jaxckpt._templates import NO_TEMPLATE, cast_for, check, put_all, restored_value, target_sharding
 from jaxckpt._tree import PathLike, describe
 
 # Called once the host data of a load is read (with its error, or None), before arrays are placed on
@@ -188,19 +188,14 @@ class Opened:
         for key, template in wanted.items():
             leaf = self.index.leaves[key]
             value: Any = data.get(key)  # None for a value leaf
-            if isinstance(leaf, ArrayLeaf) and not isinstance(value, jax.Array):
-                value = cast_for(key, leaf, template, value)  # a no-op for arrays read below
-            if (
-                isinstance(leaf, ArrayLeaf)
-                and not leaf.prng_impl
-                and isinstance(template, (jax.Array, jax.ShapeDtypeStruct))
-                and not isinstance(value, jax.Array)
-            ):
-                to_device.append((key, value, target_sharding(template, key)))
-            else:
-                out[key] = restored_value(leaf, template, value)
+            if isinstance(leaf, ArrayLeaf) and not isinstance(value, jax.Array):  # host data
+                value = cast_for(key, leaf, template, value)
+                if not leaf.prng_impl and isinstance(template, (jax.Array, jax.ShapeDtypeStruct)):
+                    to_device.append((key, value, target_sharding(template, key)))
+                    continue
+            out[key] = restored_value(leaf, template, value)
         if to_device:  # one call for all: per-call overhead dominates for thousands of small leaves
-            arrays = jax.device_put([v for _, v, _ in to_device], [s for _, _, s in to_device])
+            arrays = put_all([v for _, v, _ in to_device], [s for _, _, s in to_device])
             out.update(zip([k for k, _, _ in to_device], arrays))
         if (loaded := LOADED.get()) is not None:
             loaded(self, {key: out[key] for key in wanted})
@@ -288,6 +283,11 @@ class Opened:
             assert isinstance(leaf, ArrayLeaf)
             at = _in_store(leaf)
             extra: dict[str, int] = {}
+            if isinstance(at, InPack) and (not sharded or at.pack in packs):  # as below, in short (many leaves)
+                if leaf.nbytes:
+                    claims[DATA_DIR] += leaf.nbytes
+                    largest[DATA_DIR] = max(largest.get(DATA_DIR, (-1, "")), (leaf.nbytes, key))
+                continue
             if isinstance(at, InArray):
                 boxes: dict[str, list[Box]] = defaultdict(list)
                 if plans is not None and key in plans:

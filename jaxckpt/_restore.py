@@ -284,7 +284,9 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
         raise MissingKeyError(placeholders_message(placeholders))
     if not partial:
         missing = [k for k in templates if k not in index.leaves]
-        unused = [k for k in index.keys_under("") if k not in templates]
+        # None unused where `like` has every key (the common case): the index's graph need not be walked.
+        fits = not missing and len(templates) == len(index.leaves)
+        unused = [] if fits else [k for k in index.keys_under("") if k not in templates]
         if missing or unused:
             parts = [f"The checkpoint {str(opened.path)!r} does not match the structure of `like`."]
             if missing:

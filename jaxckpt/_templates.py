@@ -97,7 +97,7 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
             f"Cannot restore into {describe(key)}: the object holds a {type(template).__name__}, which jaxckpt "
             "cannot restore into. Hold an array, a jax.ShapeDtypeStruct, a Python scalar or a pytree of them there."
         )
-    is_key = jax.dtypes.issubdtype(template.dtype, jax.dtypes.prng_key)
+    is_key = _is_key(template.dtype)
     if isinstance(leaf, ValueLeaf):
         if is_key or template.shape != () or leaf.type not in ("bool", "int", "float"):
             raise _mismatch(key, leaf, template)
@@ -123,10 +123,16 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
         )
 
 
+@functools.cache
+def _is_key(dtype: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
 # The numpy dtype kinds of a stored 0-d array that restores into a Python scalar of each type.
 _SCALAR_FROM: dict[str | None, str] = {"bool": "b", "int": "biu", "float": "biuf"}
 
 
+@functools.cache  # per dtype, not per leaf: jax's issubdtype is the most of a 10,000-leaf check
 def _kind(dtype: Any) -> str | None:
     """Which casts a dtype takes part in: "float" (float64 ... float4, bfloat16, float8), "int" (any
     width, signed or not), None for bool (never cast), "other" (complex: never cast)."""
@@ -186,6 +192,14 @@ def target_sharding(template: Any, key: str = "") -> jax.sharding.Sharding | Non
             return _on_mesh_in_context(key, sharding)
         return sharding
     return None
+
+
+def put_all(values: list[Any], shardings: list[Any]) -> list[jax.Array]:
+    """``values`` placed with one ``jax.device_put``, whose cost per call dominates for many small
+    leaves. Given one sharding object for all of them (the common case) rather than a list, jax need
+    not match a list of shardings to the leaves one by one."""
+    one = shardings[0]
+    return jax.device_put(values, one if all(s is one for s in shardings) else shardings)
 
 
 def _on_mesh_in_context(key: str, sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:

@@ -1,0 +1,70 @@
+"""Two committed revisions of jaxckpt, interleaved, on one workload: before/after numbers from one run.
+
+    python benchmarks/ab.py --workload many --reps 5 main HEAD
+
+Each repetition runs the floor (durable write, then read + one batched ``device_put``), then for each
+revision (the order alternating from one repetition to the next) its save, its restore of that
+save, and an async save, each operation in a fresh interpreter with memory pre-touched
+(``benchmarks/child.py``, as ``run.py`` does). Prints every repetition with the load average, then
+the medians, and each revision's restore time over the floor of the same repetition and its async
+caller's time over its save's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import run  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("revs", nargs=2, help="two git revisions of jaxckpt (e.g. main HEAD)")
+    parser.add_argument("--workload", default="many", choices=run.wl.WORKLOADS + run.wl.EXTRA_WORKLOADS)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--work", default=os.path.join(HERE, ".work"))
+    args = parser.parse_args()
+    work = os.path.abspath(args.work)
+    srcs = {rev: run.export_revision(rev, work) for rev in args.revs}
+    workdir = os.path.join(work, args.workload)
+    spec = run.prepare(workdir, args.workload, False)
+    out = os.path.join(work, "ab-result.json")
+
+    def child(op: str, src: str | None = None) -> dict[str, float]:
+        env = run.child_env(spec["devices"])
+        if src:
+            env["BENCH_JAXCKPT_SRC"] = src
+        subprocess.run([sys.executable, os.path.join(HERE, "child.py"), "run", workdir, op, out], check=True, env=env)
+        with open(out) as f:
+            return json.load(f)
+
+    rows: dict[str, list[float]] = {}
+    for rep in range(args.reps):
+        row = {"load": os.getloadavg()[0]}
+        child("floor_write_fsync")
+        row["floor"] = child("floor_read_put")["seconds"]
+        for rev in args.revs if rep % 2 == 0 else args.revs[::-1]:
+            row[f"{rev} save"] = child("jaxckpt_save", srcs[rev])["seconds"]
+            row[f"{rev} restore"] = child("jaxckpt_restore", srcs[rev])["seconds"]
+            done = child("jaxckpt_async_save", srcs[rev])
+            row[f"{rev} async blocks"], row[f"{rev} async total"] = done["blocking"], done["seconds"]
+        print(json.dumps({k: round(v, 4) for k, v in row.items()}), flush=True)
+        for k, v in row.items():
+            rows.setdefault(k, []).append(v)
+    print("medians:", json.dumps({k: round(statistics.median(v), 4) for k, v in rows.items()}))
+    for rev in args.revs:
+        restore = statistics.median(a / b for a, b in zip(rows[f"{rev} restore"], rows["floor"]))
+        blocks = statistics.median(a / b for a, b in zip(rows[f"{rev} async blocks"], rows[f"{rev} save"]))
+        print(f"{rev}: restore / floor {restore:.3f}; async blocks / save {blocks:.3f}")
+
+
+if __name__ == "__main__":
+    main()
