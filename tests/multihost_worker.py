@@ -7,13 +7,17 @@ manager (two saves through a CheckpointManager) | manager-incremental (two saves
 manager, a third save: the unchanged arrays are hard-linked) | manager-fail (process 1 fails the first save before
 its token; every process must raise there, and the next save must work) | manager-retention (each
 process has its own clock and metrics; all must keep what process 0 decided) | iterator-save, iterator-restore, iterator-tiers (each
-process's data iterator state differs; each gets its own back). MESH: e.g. 4x2 over all devices of all processes.
+process's data iterator state differs; each gets its own back) | tiers-save, tiers-restore (two tiers) | tiers-start
+(process 0 takes over the durable folder while process 1 starts). MESH: e.g. 4x2 over all devices of all processes.
 Every process builds the same global values from a seed, and checks its own shards after a restore.
 """
 
+import faulthandler
 import os
 import signal
 import sys
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # tests/test_multihost.py asks for the stacks of a hang
 
 mode, pid, nproc, ndev, port, path, mesh_text = sys.argv[1:8]
 pid, nproc, ndev = int(pid), int(nproc), int(ndev)
@@ -235,6 +239,47 @@ elif mode in ("iterator-save", "iterator-restore", "iterator-tiers"):  # each pr
         assert (data.position, epoch.position) == (10 * (pid + 1), 4), (data.position, epoch.position)
         jaxckpt.Checkpoint(data=data).restore(os.path.join(path, "ckpt-2"))
         assert data.position == 10 * (pid + 1) + 1, data.position
+elif mode == "tiers-start":  # process 0 takes over the durable folder while process 1 starts its manager
+    # The order that a busy machine can give: process 1 writes a temp file in the durable folder, and
+    # process 0's start-up lists and removes such leftovers before process 1 renames it. A non-primary
+    # must never write there (process 0 owns it): it then fails, and its restores are never agreed.
+    from jax._src import distributed
+
+    from jaxckpt import _startup, _storage
+
+    client, durable = distributed.global_state.client, os.path.join(path, "durable")
+    real_write, real_take_over, signalled = _storage.write_durable, _startup.take_over, []
+
+    def signal_once():
+        if not signalled:
+            signalled.append(1)
+            client.key_value_set("test/p1-wrote-or-started", "1")
+
+    def write_then_wait(tmp, data):  # process 1: its temp file exists until process 0 has taken over
+        real_write(tmp, data)
+        if os.path.dirname(str(tmp)) == durable:
+            signal_once()
+            client.blocking_key_value_get("test/p0-took-over", 60_000)
+
+    def wait_then_take_over(folder, directory, *args, **kwargs):  # process 0
+        if directory == durable:
+            client.blocking_key_value_get("test/p1-wrote-or-started", 60_000)
+        try:
+            return real_take_over(folder, directory, *args, **kwargs)
+        finally:
+            if directory == durable:
+                client.key_value_set("test/p0-took-over", "1")
+
+    if pid == 1:
+        _storage.write_durable = write_then_wait
+    else:
+        _startup.take_over = wait_then_take_over
+    ckpt = jaxckpt.Checkpoint(state=state())
+    local = os.path.join(path, f"local-{pid}")
+    with jaxckpt.CheckpointManager(ckpt, durable, local_directory=local) as manager:
+        if pid == 1:
+            signal_once()
+        assert manager.restore_or_initialize() is None
 elif mode in ("tiers-save", "tiers-restore"):  # two tiers: each process's local disk, one durable folder
     local, durable = os.path.join(path, f"local-{pid}"), os.path.join(path, "durable")
 

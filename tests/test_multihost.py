@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,11 +43,27 @@ def run(mode, path, nproc, ndev, mesh, timeout=240, env=None):
         try:
             out, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+            raise AssertionError(f"{mode}: the processes did not finish in {timeout} s:\n{stacks(procs)}") from None
         results.append((p.returncode, out))
     return results
+
+
+def stacks(procs):
+    """Every process's threads' stacks (the worker dumps them on SIGUSR1), then the processes killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+    outs = []
+    for i, p in enumerate(procs):
+        try:
+            out, _ = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        outs.append(f"--- process {i} ({p.returncode}):\n{(out or '')[-8000:]}")
+    for p in procs:
+        p.kill()
+    return "\n".join(outs)
 
 
 def ok(results, mode):
@@ -234,6 +251,16 @@ def test_two_tiers_across_processes_restore_locally_only_if_every_process_can(tm
     ok(results, "tiers-restore")
     for _, out in results:
         assert f"restored {durable / 'ckpt-8'} at step 8" in out, out
+
+
+def test_two_tiers_start_while_process_0_cleans_the_durable_folder(tmp_path):
+    # Before: every process wrote the durable folder's checkpoint.tiers, through a temp file that
+    # process 0's start-up removed as a crash's leftover when it came at the wrong time (a busy
+    # machine); process 1 then failed to start, and process 0 waited for its restore for 30 minutes.
+    results = run("tiers-start", tmp_path, nproc=2, ndev=2, mesh="2x2", env={"JAXCKPT_BARRIER_TIMEOUT_S": "60"})
+    ok(results, "tiers-start")
+    tiers = json.loads((tmp_path / "durable" / "checkpoint.tiers").read_text())
+    assert tiers["local"] == str(tmp_path / "local-0"), tiers  # process 0's, the folder's owner
 
 
 def test_each_process_gets_its_own_iterator_state_back(tmp_path):
