@@ -262,13 +262,14 @@ TIERS_FILE = "checkpoint.tiers"
 TIERS_FORMAT = "jaxckpt-tiers"
 
 
-def write_tiers(local: str, durable: str) -> None:
-    """Name both tiers in each tier's directory (``checkpoint.tiers``), for ``jaxckpt ls``."""
+def write_tiers(local: str, durable: str, *, in_durable: bool = True) -> None:
+    """Name both tiers in each tier's directory (``checkpoint.tiers``), for ``jaxckpt ls``; in the
+    local one only unless ``in_durable`` (a process that does not own the durable directory)."""
     # Absolute where local: ``jaxckpt ls`` reads the file from any working directory.
     where = _storage.location(durable).local
     durable = str(where) if where is not None else durable
     body = json.dumps({"format": TIERS_FORMAT, "local": os.path.abspath(local), "durable": durable}).encode()
-    for directory in (local, durable):
+    for directory in (local, durable) if in_durable else (local,):
         folder = _storage.location(directory)
         if _storage.read_file(folder, TIERS_FILE) != body:
             _storage.write_file_atomic(folder, TIERS_FILE, body)

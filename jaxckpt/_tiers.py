@@ -141,7 +141,9 @@ class TwoTiers(OneTier):
         self._restores = itertools.count()  # numbers the restores' agreements alike (the caller's thread)
         self.copied: list[str] = []  # durable paths copied by this manager, oldest first
         if not options.get("read_only", False):
-            _statefile.write_tiers(self._local.directory, self._directory)
+            # Only process 0 writes in the durable directory, which it owns: its start-up removes the
+            # temp files there that it finds, and the file would name each process's local tier in turn.
+            _statefile.write_tiers(self._local.directory, self._directory, in_durable=_multihost.is_primary())
 
     # --- saving ------------------------------------------------------------------------------------
 
