@@ -7,7 +7,8 @@ manager (two saves through a CheckpointManager) | manager-incremental (two saves
 manager, a third save: the unchanged arrays are hard-linked) | manager-fail (process 1 fails the first save before
 its token; every process must raise there, and the next save must work) | manager-retention (each
 process has its own clock and metrics; all must keep what process 0 decided) | iterator-save, iterator-restore, iterator-tiers (each
-process's data iterator state differs; each gets its own back) | tiers-save, tiers-restore (two tiers) | tiers-start
+process's data iterator state differs; each gets its own back) | tiers-save, tiers-restore (two tiers) | agree-alone (a wait for
+a process that never comes ends in an error) | tiers-start
 (process 0 takes over the durable folder while process 1 starts). MESH: e.g. 4x2 over all devices of all processes.
 Every process builds the same global values from a seed, and checks its own shards after a restore.
 """
@@ -239,6 +240,22 @@ elif mode in ("iterator-save", "iterator-restore", "iterator-tiers"):  # each pr
         assert (data.position, epoch.position) == (10 * (pid + 1), 4), (data.position, epoch.position)
         jaxckpt.Checkpoint(data=data).restore(os.path.join(path, "ckpt-2"))
         assert data.position == 10 * (pid + 1) + 1, data.position
+elif mode == "agree-alone":  # process 1 never joins process 0's agreement (JAXCKPT_BARRIER_TIMEOUT_S is short)
+    from jax._src import distributed
+
+    from jaxckpt import _multihost
+
+    client = distributed.global_state.client
+    if pid == 0:
+        try:
+            _multihost.gather("alone", "1")
+        except jaxckpt.JaxckptError as e:
+            assert "at the agreement 'alone' for process 1" in str(e), e
+        else:
+            raise AssertionError("process 0 agreed without process 1")
+        client.key_value_set("test/done", "1")
+    else:
+        client.blocking_key_value_get("test/done", 120_000)
 elif mode == "tiers-start":  # process 0 takes over the durable folder while process 1 starts its manager
     # The order that a busy machine can give: process 1 writes a temp file in the durable folder, and
     # process 0's start-up lists and removes such leftovers before process 1 renames it. A non-primary

@@ -263,6 +263,10 @@ def test_two_tiers_start_while_process_0_cleans_the_durable_folder(tmp_path):
     assert tiers["local"] == str(tmp_path / "local-0"), tiers  # process 0's, the folder's owner
 
 
+def test_an_agreement_a_process_never_joins_ends_in_an_error_that_names_it(tmp_path):
+    ok(run("agree-alone", tmp_path, nproc=2, ndev=1, mesh="2x1", env={"JAXCKPT_BARRIER_TIMEOUT_S": "2"}), "agree-alone")
+
+
 def test_each_process_gets_its_own_iterator_state_back(tmp_path):
     path = tmp_path / "iterators"
     ok(run("iterator-save", path, nproc=2, ndev=1, mesh="2x1"), "iterator-save")
