@@ -72,7 +72,30 @@ def timeout_ms() -> int:
 def barrier(name: str) -> None:
     """Wait until every process has reached the barrier ``name``."""
     if process_count() > 1:
-        _client().wait_at_barrier(f"jaxckpt/{name}", timeout_ms())
+        try:
+            _client().wait_at_barrier(f"jaxckpt/{name}", timeout_ms())
+        except Exception as e:
+            raise _stuck(e, f"barrier {name!r}", "every other process") from e
+
+
+def _get(key: str, what: str, process: int) -> str:
+    """The value of ``key``, which ``process`` sets: waited for at most :func:`timeout_ms`."""
+    try:
+        return str(_client().blocking_key_value_get(key, timeout_ms()))
+    except Exception as e:
+        raise _stuck(e, what, f"process {process}") from e
+
+
+def _stuck(error: Exception, what: str, whom: str) -> Exception:
+    """A wait for other processes that timed out: a JaxckptError that says for what, whom and how long
+    (the runtime's own says only DEADLINE_EXCEEDED and a key); any other error as it is."""
+    if "DEADLINE_EXCEEDED" not in str(error):
+        return error
+    return JaxckptError(
+        f"Process {process_index()} waited {timeout_ms() / 1000:g} s at {what} for {whom}, which never came: a "
+        "process that failed before it (see its own error and log) never joins, and every process must make the "
+        "same calls in the same order. If they are only slow, set JAXCKPT_BARRIER_TIMEOUT_S higher."
+    )
 
 
 def shared_token() -> str:
@@ -86,7 +109,7 @@ def shared_token() -> str:
             token = uuid.uuid4().hex[:12]
             client.key_value_set(key, token)
         else:
-            token = str(client.blocking_key_value_get(key, timeout_ms()))
+            token = _get(key, f"the token of save {key.rsplit('/', 1)[-1]}", PRIMARY)
     _taken.count, _taken.last = _taken.count + 1, token
     return token
 
@@ -164,7 +187,7 @@ def kept(token: str, directory: str) -> list[CheckpointInfo] | None:
     None with one process."""
     if process_count() == 1:
         return None
-    doc = json.loads(_client().blocking_key_value_get(f"jaxckpt/kept/{token}", timeout_ms()))
+    doc = json.loads(_get(f"jaxckpt/kept/{token}", f"the list of checkpoints kept after save {token}", PRIMARY))
     if doc["error"] is not None:
         raise JaxckptError(
             f"Process {PRIMARY} could not record the checkpoint it saved ({doc['error']}), so the state file does "
@@ -185,9 +208,7 @@ def gather(name: str, value: str) -> list[str]:
         return [value]
     client = _client()
     client.key_value_set(f"jaxckpt/gather/{name}/{process_index()}", value)
-    return [
-        str(client.blocking_key_value_get(f"jaxckpt/gather/{name}/{p}", timeout_ms())) for p in range(process_count())
-    ]
+    return [_get(f"jaxckpt/gather/{name}/{p}", f"the agreement {name!r}", p) for p in range(process_count())]
 
 
 def to_primary(name: str, value: str) -> list[str] | None:
@@ -203,6 +224,6 @@ def to_primary(name: str, value: str) -> list[str] | None:
     values = [value]
     for p in range(1, process_count()):
         key = f"jaxckpt/to-primary/{name}/{p}"
-        values.append(str(client.blocking_key_value_get(key, timeout_ms())))
+        values.append(_get(key, f"the report {name!r}", p))
         client.key_value_delete(key)
     return values
