@@ -388,8 +388,8 @@ class TwoTiers(OneTier):
         token = AFTER_READ.set(after_read)
         try:
             return self._checkpoint.restore(info.path)
-        except JaxckptError:
-            if not said:  # failed before reading (its index): still take part in the agreement
+        except Exception:
+            if not said:  # failed before reading (its index, any error): still take part in the agreement
                 _multihost.gather(name, "")
             raise
         finally:
