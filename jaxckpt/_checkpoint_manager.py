@@ -19,7 +19,7 @@ from jaxckpt._manager import OneTier
 from jaxckpt._manager_options import StepCounter
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 from jaxckpt._restore import RestoreStatus
-from jaxckpt._tiers import TwoTiers
+from jaxckpt._tiers import PREEMPTION_GRACE_S, TwoTiers
 from jaxckpt._tree import PathLike
 
 __all__ = ["CheckpointManager"]
@@ -115,7 +115,7 @@ class CheckpointManager:
         local_policies: the local tier's retention (default: ``KeepLatest(2)``).
         durable_interval_steps: copy the checkpoints of every ``n``-th step to ``directory``
             (default: every checkpoint).
-        preemption_grace_s: how long :meth:`save_if_preempted` waits for the durable copy.
+        preemption_grace_s: how long :meth:`save_if_preempted` waits for the durable copy (30 s by default).
         metadata: the run's configuration (JSON), recorded once for the directory.
         incremental: on a local disk, hard-link the files of every large ``jax.Array`` that is the very
             object this manager last saved or restored, instead of writing it again (``False``: write
@@ -143,7 +143,7 @@ class CheckpointManager:
         local_directory: PathLike | None = None,
         local_policies: RetentionPolicy | Sequence[RetentionPolicy] = (),
         durable_interval_steps: int | None = None,
-        preemption_grace_s: float = 30.0,
+        preemption_grace_s: float = PREEMPTION_GRACE_S,
         metadata: Mapping[str, Any] | None = None,
         incremental: bool = True,
     ) -> None:
@@ -168,7 +168,7 @@ class CheckpointManager:
             given = {
                 "local_policies": local_policies != (),
                 "durable_interval_steps": durable_interval_steps is not None,
-                "preemption_grace_s": preemption_grace_s != 30.0,
+                "preemption_grace_s": preemption_grace_s != PREEMPTION_GRACE_S,
             }
             for name, was_given in given.items():
                 if was_given:

@@ -87,6 +87,10 @@ _SHARED = (
 )
 
 
+# How long save_if_preempted waits for the durable copy by default (the manager's default too).
+PREEMPTION_GRACE_S = 30.0
+
+
 class _HostTier(OneTier):
     """The local tier: in a multi-process run, every process keeps a whole checkpoint of its own in
     its own ``local_directory`` (its own disk), with the packs and every region it holds."""
@@ -108,7 +112,7 @@ class TwoTiers(OneTier):
         local_directory: PathLike,
         local_policies: RetentionPolicy | Sequence[RetentionPolicy] = (),
         durable_interval_steps: int | None = None,
-        preemption_grace_s: float = 30.0,
+        preemption_grace_s: float = PREEMPTION_GRACE_S,
         **options: Any,
     ) -> None:
         if durable_interval_steps is not None:
