@@ -6,6 +6,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,43 +26,60 @@ def free_port():
 
 
 def run(mode, path, nproc, ndev, mesh, timeout=240, env=None):
-    """Start ``nproc`` processes of the worker; return their (returncode, output)."""
+    """Start ``nproc`` processes of the worker; return their (returncode, output).
+
+    Each writes to its own file, not a pipe: a worker whose pipe filled up while the test waited on
+    another would block in a write, and the others would wait for it in the next agreement.
+    """
     port = free_port()
     env = {**os.environ, **(env or {})}
     env.pop("XLA_FLAGS", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), mode, str(i), str(nproc), str(ndev), str(port), str(path), mesh],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for i in range(nproc)
-    ]
-    results = []
-    for p in procs:
+    with tempfile.TemporaryDirectory(prefix="jaxckpt-mh-") as logs:
+        files = [open(Path(logs) / f"{i}.log", "w+") for i in range(nproc)]
         try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{mode}: the processes did not finish in {timeout} s:\n{stacks(procs)}") from None
-        results.append((p.returncode, out))
-    return results
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), mode, str(i), str(nproc), str(ndev), str(port), str(path), mesh],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=env,
+                )
+                for i, f in enumerate(files)
+            ]
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(
+                        f"{mode}: the processes did not finish in {timeout} s:\n{stacks(procs, files)}"
+                    ) from None
+            return [(p.returncode, _output(f)) for p, f in zip(procs, files, strict=True)]
+        finally:
+            for f in files:
+                f.close()
 
 
-def stacks(procs):
+def _output(f):
+    f.flush()
+    f.seek(0)
+    return f.read()
+
+
+def stacks(procs, files):
     """Every process's threads' stacks (the worker dumps them on SIGUSR1), then the processes killed."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGUSR1)
     outs = []
-    for i, p in enumerate(procs):
+    for i, (p, f) in enumerate(zip(procs, files, strict=True)):
         try:
-            out, _ = p.communicate(timeout=10)
+            p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             p.kill()
-            out, _ = p.communicate()
-        outs.append(f"--- process {i} ({p.returncode}):\n{(out or '')[-8000:]}")
+            p.wait()
+        outs.append(f"--- process {i} ({p.returncode}):\n{_output(f)[-8000:]}")
     for p in procs:
         p.kill()
     return "\n".join(outs)
