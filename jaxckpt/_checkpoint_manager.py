@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._manager import OneTier
-from jaxckpt._manager_options import StepCounter
+from jaxckpt._manager_options import ManagerOptions, StepCounter
 from jaxckpt._policies import CheckpointInfo, RetentionPolicy
 from jaxckpt._restore import RestoreStatus
 from jaxckpt._tiers import PREEMPTION_GRACE_S, TwoTiers
@@ -147,7 +147,8 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         incremental: bool = True,
     ) -> None:
-        options: dict[str, Any] = dict(
+        options = ManagerOptions.check(  # before any directory is touched
+            max_to_keep=max_to_keep,
             keep_checkpoint_every_n_hours=keep_checkpoint_every_n_hours,
             checkpoint_name=checkpoint_name,
             step_counter=step_counter,
@@ -160,8 +161,9 @@ class CheckpointManager:
             save_on_preemption=save_on_preemption,
             read_only=read_only,
             clock=clock,
-            metadata=metadata,
-            incremental=incremental,
+        )
+        rest: dict[str, Any] = dict(
+            last_checkpoint_step=last_checkpoint_step, metadata=metadata, incremental=incremental
         )
         self._part: OneTier
         if local_directory is None:
@@ -176,17 +178,17 @@ class CheckpointManager:
                         f"{name} is an option of two tiers, and this manager has one: pass local_directory "
                         "(a folder on this host's fast disk) too, or leave it out."
                     )
-            self._part = OneTier(checkpoint, directory, max_to_keep, **options)
+            self._part = OneTier(checkpoint, directory, options, **rest)
         else:
             self._part = TwoTiers(
                 checkpoint,
                 directory,
-                max_to_keep,
+                options,
                 local_directory=local_directory,
                 local_policies=local_policies,
                 durable_interval_steps=durable_interval_steps,
                 preemption_grace_s=preemption_grace_s,
-                **options,
+                **rest,
             )
 
     # --- what the manager keeps --------------------------------------------------------------------

@@ -27,9 +27,8 @@ from __future__ import annotations
 import operator
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from jaxckpt import _incremental, _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _storage
@@ -37,9 +36,9 @@ from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._lock import LOCK_FILE
-from jaxckpt._manager_options import ManagerOptions, StepCounter, check_metrics
+from jaxckpt._manager_options import ManagerOptions, check_metrics
 from jaxckpt._manager_orbax import OrbaxCalls
-from jaxckpt._policies import CheckpointInfo, RetentionPolicy
+from jaxckpt._policies import CheckpointInfo
 from jaxckpt._preemption import PreemptionHandler, PreemptionSaves
 from jaxckpt._restore import RestoreStatus
 from jaxckpt._retention import RetentionCalls
@@ -61,39 +60,16 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self,
         checkpoint: Checkpoint,
         directory: PathLike,
-        max_to_keep: int | None = None,
+        options: ManagerOptions,
         *,
-        keep_checkpoint_every_n_hours: float | None = None,
-        checkpoint_name: str = "ckpt",
-        step_counter: StepCounter | None = None,
-        checkpoint_interval: int | None = None,
         last_checkpoint_step: int | None = None,
-        save_interval_steps: int | None = None,
-        init_fn: Callable[[], Any] | None = None,
-        policies: Sequence[RetentionPolicy] = (),
-        async_save: bool = True,
-        save_on_preemption: bool = False,
-        read_only: bool = False,
-        clock: Callable[[], float] = time.time,
         metadata: Mapping[str, Any] | None = None,
         incremental: bool = True,
     ) -> None:
+        """``options`` are checked (:meth:`ManagerOptions.check`, by :class:`~jaxckpt.CheckpointManager`),
+        which documents the rest."""
         given = None if metadata is None else _run_metadata.check(metadata)  # before the directory is touched
-        self._options = options = ManagerOptions.check(
-            max_to_keep=max_to_keep,
-            keep_checkpoint_every_n_hours=keep_checkpoint_every_n_hours,
-            checkpoint_name=checkpoint_name,
-            step_counter=step_counter,
-            checkpoint_interval=checkpoint_interval,
-            last_checkpoint_step=last_checkpoint_step,
-            save_interval_steps=save_interval_steps,
-            init_fn=init_fn,
-            policies=policies,
-            async_save=async_save,
-            save_on_preemption=save_on_preemption,
-            read_only=read_only,
-            clock=clock,
-        )
+        self._options = options
         self._checkpoint = checkpoint
         self._directory = os.fspath(directory)
         # As TF's manager: the step of the last checkpoint this manager saved or restored (before
@@ -122,7 +98,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         # Object stores have no atomic create-if-absent that every S3-compatible store honours, so the
         # lock guards local directories only (see docs/buckets.md).
         local = self._path.local
-        if local is not None and not read_only:
+        if local is not None and not options.read_only:
             _startup.make_directory(local, self._directory)
             if self._primary:
                 self._lock = _lock.acquire(local)
@@ -134,10 +110,10 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
             # Read when asked for (one request fewer on a bucket), unless there is some to record now.
             self._given_metadata = given
             self._metadata: dict[str, Any] | None = None
-            if given is not None and self._primary and not read_only:
+            if given is not None and self._primary and not options.read_only:
                 self._metadata = _run_metadata.start(self._path, given, write=True)
             # Last, so that a manager that fails to start leaves SIGTERM alone (close() puts it back).
-            if save_on_preemption:
+            if options.save_on_preemption:
                 self._preemption = PreemptionHandler()
         except BaseException:
             self._close(report=False)

@@ -70,22 +70,11 @@ from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointFormatError, CheckpointNotFoundError, JaxckptError
 from jaxckpt._format import INDEX_FILE
 from jaxckpt._manager import OneTier
-from jaxckpt._policies import CheckpointInfo, KeepLatest, RetentionPolicy, positive_int
+from jaxckpt._manager_options import ManagerOptions
+from jaxckpt._policies import CheckpointInfo, KeepAny, KeepLatest, RetentionPolicy, positive_int
 from jaxckpt._reader import AFTER_READ
 from jaxckpt._restore import RestoreStatus
 from jaxckpt._tree import PathLike
-
-# The options a local tier shares with the durable one; the rest (retention) are its own.
-_SHARED = (
-    "checkpoint_name",
-    "step_counter",
-    "checkpoint_interval",
-    "last_checkpoint_step",
-    "save_interval_steps",
-    "async_save",
-    "clock",
-)
-
 
 # How long save_if_preempted waits for the durable copy by default (the manager's default too).
 PREEMPTION_GRACE_S = 30.0
@@ -107,13 +96,15 @@ class TwoTiers(OneTier):
         self,
         checkpoint: Checkpoint,
         directory: PathLike,
-        max_to_keep: int | None = None,
+        options: ManagerOptions,
         *,
         local_directory: PathLike,
         local_policies: RetentionPolicy | Sequence[RetentionPolicy] = (),
         durable_interval_steps: int | None = None,
         preemption_grace_s: float = PREEMPTION_GRACE_S,
-        **options: Any,
+        last_checkpoint_step: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        incremental: bool = True,
     ) -> None:
         if durable_interval_steps is not None:
             positive_int("durable_interval_steps", durable_interval_steps)
@@ -126,10 +117,27 @@ class TwoTiers(OneTier):
         if os.path.abspath(os.fspath(local_directory)) == os.path.abspath(os.fspath(directory)):
             raise ValueError("local_directory and directory must be two different folders.")
         policies = [local_policies] if isinstance(local_policies, RetentionPolicy) else list(local_policies)
-        super().__init__(checkpoint, directory, max_to_keep, **options)  # the durable tier
+        local_policy = KeepAny(*policies) if policies else KeepAny(KeepLatest(2))  # refuses what is not a policy
+        super().__init__(  # the durable tier
+            checkpoint,
+            directory,
+            options,
+            last_checkpoint_step=last_checkpoint_step,
+            metadata=metadata,
+            incremental=incremental,
+        )
         try:
-            local_options = {k: v for k, v in options.items() if k in (*_SHARED, "read_only", "incremental")}
-            self._local = _HostTier(checkpoint, local_directory, policies=policies or [KeepLatest(2)], **local_options)
+            # The local tier shares the naming, the step rules, async saves and the clock; retention is its own.
+            local_options = dataclasses.replace(
+                options, policy=local_policy, hours=None, init_fn=None, save_on_preemption=False
+            )
+            self._local = _HostTier(
+                checkpoint,
+                local_directory,
+                local_options,
+                last_checkpoint_step=last_checkpoint_step,
+                incremental=incremental,
+            )
             self._local._preemption = self._preemption  # its save(step) and should_save see a notice too
         except BaseException:
             self._close(report=False)
@@ -144,7 +152,7 @@ class TwoTiers(OneTier):
         self._copies = itertools.count()  # numbers the copies alike on every process (the copy thread)
         self._restores = itertools.count()  # numbers the restores' agreements alike (the caller's thread)
         self.copied: list[str] = []  # durable paths copied by this manager, oldest first
-        if not options.get("read_only", False):
+        if not options.read_only:
             # Only process 0 writes in the durable directory, which it owns: its start-up removes the
             # temp files there that it finds, and the file would name each process's local tier in turn.
             _statefile.write_tiers(self._local.directory, self._directory, in_durable=_multihost.is_primary())
