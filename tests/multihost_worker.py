@@ -9,7 +9,8 @@ its token; every process must raise there, and the next save must work) | manage
 process has its own clock and metrics; all must keep what process 0 decided) | iterator-save, iterator-restore, iterator-tiers (each
 process's data iterator state differs; each gets its own back) | tiers-save, tiers-restore (two tiers) | agree-alone (a wait for
 a process that never comes ends in an error) | tiers-start
-(process 0 takes over the durable folder while process 1 starts). MESH: e.g. 4x2 over all devices of all processes.
+(process 0 takes over the durable folder while process 1 starts) | manager-start-fail (process 1's manager
+fails to start: both raise at once). MESH: e.g. 4x2 over all devices of all processes.
 Every process builds the same global values from a seed, and checks its own shards after a restore.
 """
 
@@ -240,6 +241,28 @@ elif mode in ("iterator-save", "iterator-restore", "iterator-tiers"):  # each pr
         assert (data.position, epoch.position) == (10 * (pid + 1), 4), (data.position, epoch.position)
         jaxckpt.Checkpoint(data=data).restore(os.path.join(path, "ckpt-2"))
         assert data.position == 10 * (pid + 1) + 1, data.position
+elif mode == "manager-start-fail":  # process 1's manager fails to start; process 0's must not wait for it
+    from jaxckpt import _startup
+
+    real_take_over = _startup.take_over
+
+    def take_over_or_fail(*args, **kwargs):
+        if pid == 1:
+            raise OSError("process 1 lost its disk")
+        return real_take_over(*args, **kwargs)
+
+    _startup.take_over = take_over_or_fail
+    try:
+        jaxckpt.CheckpointManager(jaxckpt.Checkpoint(state=state()), path, max_to_keep=1)
+    except Exception as e:
+        expected = "process 1 lost its disk" if pid == 1 else "Process 1 could not start its manager"
+        assert expected in str(e), e
+    else:
+        raise AssertionError("the manager started although process 1's did not")
+    # A read-only manager needs no other process: process 0 alone may open one (to list, to restore).
+    if pid == 0:
+        _startup.take_over = real_take_over
+        jaxckpt.CheckpointManager(jaxckpt.Checkpoint(state=state()), path, read_only=True).close()
 elif mode == "agree-alone":  # process 1 never joins process 0's agreement (JAXCKPT_BARRIER_TIMEOUT_S is short)
     from jax._src import distributed
 

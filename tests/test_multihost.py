@@ -282,6 +282,13 @@ def test_two_tiers_start_while_process_0_cleans_the_durable_folder(tmp_path):
     assert tiers["local"] == str(tmp_path / "local-0"), tiers  # process 0's, the folder's owner
 
 
+def test_a_manager_that_fails_to_start_on_one_process_fails_at_once_on_every_process(tmp_path):
+    # Before: process 0's manager started, and its first save waited for process 1's token until
+    # JAXCKPT_BARRIER_TIMEOUT_S (30 minutes by default).
+    env = {"JAXCKPT_BARRIER_TIMEOUT_S": "600"}
+    ok(run("manager-start-fail", tmp_path, nproc=2, ndev=1, mesh="2x1", timeout=120, env=env), "manager-start-fail")
+
+
 def test_an_agreement_a_process_never_joins_ends_in_an_error_that_names_it(tmp_path):
     ok(run("agree-alone", tmp_path, nproc=2, ndev=1, mesh="2x1", env={"JAXCKPT_BARRIER_TIMEOUT_S": "2"}), "agree-alone")
 
