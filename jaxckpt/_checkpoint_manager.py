@@ -10,10 +10,13 @@ to the part; the parts know nothing of this class, so imports run one way: this 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jaxckpt import _multihost
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._manager import OneTier
 from jaxckpt._manager_options import ManagerOptions, StepCounter
@@ -166,30 +169,45 @@ class CheckpointManager:
             last_checkpoint_step=last_checkpoint_step, metadata=metadata, incremental=incremental
         )
         self._part: OneTier
-        if local_directory is None:
-            given = {
-                "local_policies": local_policies != (),
-                "durable_interval_steps": durable_interval_steps is not None,
-                "preemption_grace_s": preemption_grace_s != PREEMPTION_GRACE_S,
-            }
-            for name, was_given in given.items():
-                if was_given:
-                    raise ValueError(
-                        f"{name} is an option of two tiers, and this manager has one: pass local_directory "
-                        "(a folder on this host's fast disk) too, or leave it out."
-                    )
-            self._part = OneTier(checkpoint, directory, options, **rest)
-        else:
-            self._part = TwoTiers(
-                checkpoint,
-                directory,
-                options,
-                local_directory=local_directory,
-                local_policies=local_policies,
-                durable_interval_steps=durable_interval_steps,
-                preemption_grace_s=preemption_grace_s,
-                **rest,
-            )
+        # In a multi-process run every process starts its manager together; a manager that only
+        # reads may be opened by one process alone (to list or restore), so it agrees on nothing.
+        agree = not read_only
+        try:
+            if local_directory is None:
+                given = {
+                    "local_policies": local_policies != (),
+                    "durable_interval_steps": durable_interval_steps is not None,
+                    "preemption_grace_s": preemption_grace_s != PREEMPTION_GRACE_S,
+                }
+                for name, was_given in given.items():
+                    if was_given:
+                        raise ValueError(
+                            f"{name} is an option of two tiers, and this manager has one: pass local_directory "
+                            "(a folder on this host's fast disk) too, or leave it out."
+                        )
+                self._part = OneTier(checkpoint, directory, options, **rest)
+            else:
+                self._part = TwoTiers(
+                    checkpoint,
+                    directory,
+                    options,
+                    local_directory=local_directory,
+                    local_policies=local_policies,
+                    durable_interval_steps=durable_interval_steps,
+                    preemption_grace_s=preemption_grace_s,
+                    **rest,
+                )
+        except BaseException as e:
+            if agree:
+                with contextlib.suppress(Exception):  # its own error is the news, not a wait that failed
+                    _multihost.started(f"manager of {os.fspath(directory)!r}", e)
+            raise
+        if agree:
+            try:
+                _multihost.started(f"manager of {os.fspath(directory)!r}", None)
+            except BaseException as e:
+                self._part.__exit__(type(e), e, e.__traceback__)
+                raise
 
     # --- what the manager keeps --------------------------------------------------------------------
 

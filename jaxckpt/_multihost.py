@@ -211,6 +211,27 @@ def gather(name: str, value: str) -> list[str]:
     return [_get(f"jaxckpt/gather/{name}/{p}", f"the agreement {name!r}", p) for p in range(process_count())]
 
 
+_starts = itertools.count()  # numbers the start-up agreements alike on every process (in call order)
+
+
+def started(what: str, error: BaseException | None) -> None:
+    """Every process says whether its ``what`` (a manager) started: ``error`` is its own failure, which
+    its caller raises after this returns. A process whose start succeeded raises a JaxckptError naming
+    the first process whose start failed, and its error, at once; without this it would go on and wait
+    for that process at its first save until :func:`timeout_ms`. With one process, nothing to do."""
+    if process_count() == 1:
+        return
+    said = "" if error is None else f"{type(error).__name__}: {error}"[:2000]
+    answers = gather(f"start/{next(_starts)}", said)
+    failed = [(p, answer) for p, answer in enumerate(answers) if answer]
+    if error is None and failed:
+        p, answer = failed[0]
+        raise JaxckptError(
+            f"Process {p} could not start its {what}, so this one cannot work with it either: {answer} "
+            f"(every process starts its manager together; see process {p}'s log)."
+        )
+
+
 def to_primary(name: str, value: str) -> list[str] | None:
     """The primary: every process's ``value`` for ``name``, in process order; the others: None. Each
     process calls it once per ``name``; names are never reused. Unlike :func:`gather` the values are

@@ -285,7 +285,7 @@ elif mode == "tiers-start":  # process 0 takes over the durable folder while pro
     # must never write there (process 0 owns it): it then fails, and its restores are never agreed.
     from jax._src import distributed
 
-    from jaxckpt import _startup, _storage
+    from jaxckpt import _multihost, _startup, _storage
 
     client, durable = distributed.global_state.client, os.path.join(path, "durable")
     real_write, real_take_over, signalled = _storage.write_durable, _startup.take_over, []
@@ -310,15 +310,19 @@ elif mode == "tiers-start":  # process 0 takes over the durable folder while pro
             if directory == durable:
                 client.key_value_set("test/p0-took-over", "1")
 
+    def signal_then_agree(what, error):  # process 1 has started, before the start-up agreement
+        signal_once()
+        real_started(what, error)
+
+    real_started = _multihost.started
     if pid == 1:
         _storage.write_durable = write_then_wait
+        _multihost.started = signal_then_agree
     else:
         _startup.take_over = wait_then_take_over
     ckpt = jaxckpt.Checkpoint(state=state())
     local = os.path.join(path, f"local-{pid}")
     with jaxckpt.CheckpointManager(ckpt, durable, local_directory=local) as manager:
-        if pid == 1:
-            signal_once()
         assert manager.restore_or_initialize() is None
 elif mode in ("tiers-save", "tiers-restore"):  # two tiers: each process's local disk, one durable folder
     local, durable = os.path.join(path, f"local-{pid}"), os.path.join(path, "durable")
