@@ -287,3 +287,74 @@ def test_a_file_put_in_place_of_a_saved_one_is_not_linked(tmp_path):
     tree = jaxckpt.restore(second)
     for k, v in frozen.items():
         np.testing.assert_array_equal(tree["base"][k], np.asarray(v))
+
+
+def restarted(
+    directory: Path, frozen: dict[str, jax.Array]
+) -> tuple[jaxckpt.Checkpoint, dict[str, jax.ShapeDtypeStruct]]:
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in frozen.items()}
+    return jaxckpt.Checkpoint(step=0, base=like, adapter=adapter(0)), like
+
+
+def test_a_save_after_tensorflow_s_restart_idiom_links_what_checkpoint_restore_returned(tmp_path, counted_writes):
+    """TF's idiom: the manager made first, then ``ckpt.restore(manager.latest_checkpoint)`` directly."""
+    directory = tmp_path / "ckpts"
+    frozen, paths = run(directory, 1)
+    del counted_writes[:]
+    ckpt, _ = restarted(directory, frozen)
+    with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=3, step_counter="step") as manager:
+        ckpt.restore(manager.latest_checkpoint).assert_consumed()
+        ckpt.step += 1
+        ckpt.adapter = adapter(2)
+        new = manager.save()
+    for key in ("base/w0", "base/w1"):
+        assert inodes(new, key) == inodes(paths[0], key), key
+    assert len(counted_writes) == 1  # the adapter
+    expect_restores(new, frozen, 2)
+
+
+def test_a_child_assigned_after_checkpoint_restore_is_linked_too(tmp_path, counted_writes):
+    """TF's deferred restoration: the value waits for its child, and is read when it is assigned."""
+    directory = tmp_path / "ckpts"
+    frozen, paths = run(directory, 1)
+    del counted_writes[:]
+    ckpt, like = restarted(directory, frozen)
+    del ckpt.base
+    with jaxckpt.CheckpointManager(ckpt, directory, step_counter="step") as manager:
+        ckpt.restore(manager.latest_checkpoint)
+        ckpt.base = like  # restored now
+        ckpt.step += 1
+        ckpt.adapter = adapter(2)
+        new = manager.save()
+    assert inodes(new, "base/w0") == inodes(paths[0], "base/w0")
+    assert len(counted_writes) == 1
+    expect_restores(new, frozen, 2)
+
+
+def test_a_save_after_jaxckpt_restore_of_the_manager_s_checkpoint_links_it(tmp_path, counted_writes):
+    directory = tmp_path / "ckpts"
+    frozen, paths = run(directory, 1)
+    del counted_writes[:]
+    ckpt, like = restarted(directory, frozen)
+    with jaxckpt.CheckpointManager(ckpt, directory, step_counter="step") as manager:
+        ckpt.base = jaxckpt.restore(manager.latest_checkpoint, {"base": like}, partial=True)["base"]
+        ckpt.step = 2
+        ckpt.adapter = adapter(2)
+        new = manager.save()
+    assert inodes(new, "base/w0") == inodes(paths[0], "base/w0")
+    assert len(counted_writes) == 1
+    expect_restores(new, frozen, 2)
+
+
+def test_arrays_restored_from_outside_the_manager_s_directory_are_written(tmp_path, counted_writes):
+    """A checkpoint that is not the manager's may be changed in place by others: never linked from."""
+    frozen = base()
+    outside = jaxckpt.save(tmp_path / "pretrained", {"base": frozen})
+    del counted_writes[:]
+    ckpt, like = restarted(tmp_path, frozen)
+    with jaxckpt.CheckpointManager(ckpt, tmp_path / "ckpts", step_counter="step") as manager:
+        ckpt.restore(outside).expect_partial()
+        new = manager.save()
+    assert not inodes(new, "base/w0") & inodes(outside, "base/w0")
+    assert len(counted_writes) == 9 + 1
+    np.testing.assert_array_equal(jaxckpt.restore(new)["base"]["w0"], np.asarray(frozen["w0"]))
