@@ -2,7 +2,11 @@
 ``jax.Array`` from the checkpoint that holds them, instead of writing them again.
 
 **What is unchanged.** A ``jax.Array`` is immutable, so the very object a manager last saved, or
-that a restore through it returned, still holds those values. :class:`Memory` (one per manager
+that a restore of one of its checkpoints returned, still holds those values. Restores are told to
+:func:`loaded`: through the manager's own calls, whatever checkpoint they read; otherwise (TF's
+``ckpt.restore(manager.latest_checkpoint)``, ``jaxckpt.restore``, a child assigned later) only a
+checkpoint directly in a live manager's directory, whose files no one but that manager changes (a
+checkpoint elsewhere is never linked from: another program may rewrite its files in place). :class:`Memory` (one per manager
 tier, per process) remembers, for each large array leaf of the last save or restore, a weak
 reference to it (never a strong one: that would pin its device memory) and where this process's
 shards of it are on disk: each file and the CRC-32C of its inner chunks (from the save that wrote
@@ -29,6 +33,7 @@ Only local disks: buckets and the durable copies of two tiers are written in ful
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -40,7 +45,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxckpt import _reader, _tensorstore
+from jaxckpt import _tensorstore
 from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import JaxckptError
 from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray, data_store
@@ -50,6 +55,10 @@ from jaxckpt._zarr_meta import chunk_key, metadata, shard_number
 from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK
 
 _CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json read to find CRCs
+# The memory of the manager whose restore call is running (Memory.restoring), and every live
+# manager's memory, told of the restores of its directory's checkpoints outside its calls.
+_RESTORING: contextvars.ContextVar[Memory | None] = contextvars.ContextVar("jaxckpt_restoring", default=None)
+_WATCHING: weakref.WeakSet[Memory] = weakref.WeakSet()
 
 
 class Shard(NamedTuple):
@@ -100,9 +109,18 @@ def plan(x: jax.Array, me: int, own_copy: bool) -> tuple[tuple[int, ...], dict[t
 class Memory:
     """What one manager tier last saved or restored, in this process (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         self._entries: dict[int, _Entry] = {}
         self._restored: dict[int, _Entry] = {}
+        # The manager's directory (resolved): restores of its checkpoints outside its calls count too.
+        self.directory = None if directory is None else os.path.realpath(directory)
+        if directory is not None:
+            _WATCHING.add(self)
+
+    def close(self) -> None:
+        """The manager is closed: it saves no more, so it remembers nothing more."""
+        _WATCHING.discard(self)
+        self._entries, self._restored = {}, {}
 
     def link(self, leaves: Mapping[str, Any], staging: Path, me: int, own_copy: bool) -> dict[str, Linked]:
         """Link the files of every leaf that is a remembered array into ``staging``; the leaves linked."""
@@ -191,6 +209,8 @@ class Memory:
         index, folder = opened.index, opened.location.local
         if folder is None or index.save is None:
             return
+        if len(self._restored) > len(values):  # restores without a save between: forget the arrays gone
+            self._restored = {i: e for i, e in self._restored.items() if e.ref() is not None}
         for key, x in values.items():
             leaf = index.leaves.get(key)
             if (
@@ -210,11 +230,28 @@ class Memory:
     @contextlib.contextmanager
     def restoring(self) -> Iterator[None]:
         """Remember what the restores inside return."""
-        token = _reader.LOADED.set(self.loaded)
+        token = _RESTORING.set(self)
         try:
             yield
         finally:
-            _reader.LOADED.reset(token)
+            _RESTORING.reset(token)
+
+
+def loaded(opened: Any, values: Mapping[str, Any]) -> None:
+    """Every load's values (by ``jaxckpt._reader``): remembered by the manager whose restore call
+    reads them, or else by each live manager whose directory holds the checkpoint (see the module's
+    docstring)."""
+    memory = _RESTORING.get()
+    if memory is not None:
+        memory.loaded(opened, values)
+        return
+    folder = opened.location.local if _WATCHING else None
+    if folder is None:
+        return
+    directory = os.path.dirname(os.path.realpath(folder))
+    for memory in list(_WATCHING):
+        if memory.directory == directory:
+            memory.loaded(opened, values)
 
 
 def restoring(memory: Memory | None) -> contextlib.AbstractContextManager[None]:

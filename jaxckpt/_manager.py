@@ -88,7 +88,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._preemption: PreemptionHandler | None = None
         self._path = _storage.location(directory)
         # What this process last saved or restored here, so that unchanged arrays are linked (local disks).
-        self._memory = _incremental.Memory() if incremental and self._path.local is not None else None
+        self._memory = _incremental.Memory(self._path.local) if incremental and self._path.local is not None else None
         # Dropped checkpoints are deleted in the background, after the state file lists the kept ones.
         self._deleter = _retention.Deleter(self._path)
         # In a multi-process run, only the primary owns the directory: it holds the lock, writes the
@@ -358,6 +358,8 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
             if not self._background.pending and not self._deleter.pending:
                 with self._retention_lock:
                     self._release()
+                if self._memory is not None:
+                    self._memory.close()
                 if self._preemption is not None:
                     self._preemption.close()
         if report:  # the end of training: what a restore left unused is said now at the latest

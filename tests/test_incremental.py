@@ -289,9 +289,7 @@ def test_a_file_put_in_place_of_a_saved_one_is_not_linked(tmp_path):
         np.testing.assert_array_equal(tree["base"][k], np.asarray(v))
 
 
-def restarted(
-    directory: Path, frozen: dict[str, jax.Array]
-) -> tuple[jaxckpt.Checkpoint, dict[str, jax.ShapeDtypeStruct]]:
+def restarted(frozen: dict[str, jax.Array]) -> tuple[jaxckpt.Checkpoint, dict[str, jax.ShapeDtypeStruct]]:
     like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in frozen.items()}
     return jaxckpt.Checkpoint(step=0, base=like, adapter=adapter(0)), like
 
@@ -301,7 +299,7 @@ def test_a_save_after_tensorflow_s_restart_idiom_links_what_checkpoint_restore_r
     directory = tmp_path / "ckpts"
     frozen, paths = run(directory, 1)
     del counted_writes[:]
-    ckpt, _ = restarted(directory, frozen)
+    ckpt, _ = restarted(frozen)
     with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=3, step_counter="step") as manager:
         ckpt.restore(manager.latest_checkpoint).assert_consumed()
         ckpt.step += 1
@@ -318,7 +316,7 @@ def test_a_child_assigned_after_checkpoint_restore_is_linked_too(tmp_path, count
     directory = tmp_path / "ckpts"
     frozen, paths = run(directory, 1)
     del counted_writes[:]
-    ckpt, like = restarted(directory, frozen)
+    ckpt, like = restarted(frozen)
     del ckpt.base
     with jaxckpt.CheckpointManager(ckpt, directory, step_counter="step") as manager:
         ckpt.restore(manager.latest_checkpoint)
@@ -335,7 +333,7 @@ def test_a_save_after_jaxckpt_restore_of_the_manager_s_checkpoint_links_it(tmp_p
     directory = tmp_path / "ckpts"
     frozen, paths = run(directory, 1)
     del counted_writes[:]
-    ckpt, like = restarted(directory, frozen)
+    ckpt, like = restarted(frozen)
     with jaxckpt.CheckpointManager(ckpt, directory, step_counter="step") as manager:
         ckpt.base = jaxckpt.restore(manager.latest_checkpoint, {"base": like}, partial=True)["base"]
         ckpt.step = 2
@@ -351,7 +349,7 @@ def test_arrays_restored_from_outside_the_manager_s_directory_are_written(tmp_pa
     frozen = base()
     outside = jaxckpt.save(tmp_path / "pretrained", {"base": frozen})
     del counted_writes[:]
-    ckpt, like = restarted(tmp_path, frozen)
+    ckpt, _ = restarted(frozen)
     with jaxckpt.CheckpointManager(ckpt, tmp_path / "ckpts", step_counter="step") as manager:
         ckpt.restore(outside).expect_partial()
         new = manager.save()
