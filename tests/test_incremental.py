@@ -356,3 +356,89 @@ def test_arrays_restored_from_outside_the_manager_s_directory_are_written(tmp_pa
     assert not inodes(new, "base/w0") & inodes(outside, "base/w0")
     assert len(counted_writes) == 9 + 1
     np.testing.assert_array_equal(jaxckpt.restore(new)["base"]["w0"], np.asarray(frozen["w0"]))
+
+
+def host_table(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1024, 1024)).astype(np.float32)  # 4 MiB: own files
+
+
+def crc_blind_change(table: np.ndarray) -> np.ndarray:
+    """``table`` with bits flipped in its first 5 bytes such that the CRC-32C of every same-length
+    message is unchanged (CRC is linear: a combination of 33 bit flips whose CRCs cancel exists)."""
+    import crc32c
+
+    n = table.nbytes
+    zero = crc32c.crc32c(bytes(n))
+
+    def effect(bit: int) -> int:
+        e = bytearray(n)
+        e[bit // 8] |= 1 << (bit % 8)
+        return crc32c.crc32c(bytes(e)) ^ zero
+
+    basis: dict[int, tuple[int, int]] = {}  # leading bit -> (vector, bits combined)
+    for bit in range(40):
+        v, used = effect(bit), 1 << bit
+        while v:
+            top = v.bit_length() - 1
+            if top not in basis:
+                basis[top] = (v, used)
+                break
+            v, used = v ^ basis[top][0], used ^ basis[top][1]
+        else:  # the flips in `used` cancel
+            raw = bytearray(table.tobytes())
+            for b in range(40):
+                if used >> b & 1:
+                    raw[b // 8] ^= 1 << (b % 8)
+            out = np.frombuffer(bytes(raw), table.dtype).reshape(table.shape).copy()
+            assert crc32c.crc32c(out.tobytes()) == crc32c.crc32c(table.tobytes()) and not np.array_equal(out, table)
+            return out
+    raise AssertionError("40 bit flips always hold a dependency in 32 dimensions")
+
+
+def host_run(directory: Path, tables: list[np.ndarray]) -> list[str]:
+    ckpt = jaxckpt.Checkpoint(step=0, table=tables[0], small=np.zeros(4))
+    with jaxckpt.CheckpointManager(ckpt, directory, step_counter="step", max_to_keep=5) as manager:
+        for step, table in enumerate(tables, start=1):
+            ckpt.step, ckpt.table = step, table
+            manager.save()
+        manager.wait_until_finished()
+        return manager.checkpoints
+
+
+def test_a_numpy_array_of_the_same_content_is_linked_whatever_object_holds_it(tmp_path, counted_writes):
+    table = host_table()
+    paths = host_run(tmp_path / "ckpts", [table, table, table.copy()])
+    assert len(counted_writes) == 1  # the first save's; the small one goes into the pack
+    assert inodes(paths[0], "table") == inodes(paths[1], "table") == inodes(paths[2], "table")
+    for path in paths:
+        restored = jaxckpt.restore(path)["table"]
+        assert isinstance(restored, np.ndarray)
+        np.testing.assert_array_equal(restored, table)
+
+
+def test_a_numpy_array_changed_anywhere_is_written(tmp_path, counted_writes):
+    table = host_table()
+    last = table.copy()
+    last[-1, -1] += 1  # in its last inner chunk
+    blind = crc_blind_change(table)
+    paths = host_run(tmp_path / "ckpts", [table, last, blind, table])
+    assert len(counted_writes) == 4
+    assert len({frozenset(inodes(p, "table")) for p in paths}) == 4
+    for path, expected in zip(paths, [table, last, blind, table]):
+        np.testing.assert_array_equal(jaxckpt.restore(path)["table"], expected)
+
+
+def test_a_numpy_array_changed_in_place_after_an_async_save_is_written_as_it_was(tmp_path):
+    table = host_table()
+    ckpt = jaxckpt.Checkpoint(step=0, table=table)
+    with jaxckpt.CheckpointManager(ckpt, tmp_path / "ckpts", step_counter="step", async_save=True) as manager:
+        first = manager.save()
+        table[0, 0] = 7.0  # the snapshot was taken: the first checkpoint keeps the old value
+        ckpt.step = 1
+        second = manager.save()
+        ckpt.step = 2
+        third = manager.save()  # unchanged since the second: linked from it
+        manager.wait_until_finished()
+    assert jaxckpt.restore(first)["table"][0, 0] == host_table()[0, 0]
+    np.testing.assert_array_equal(jaxckpt.restore(second)["table"], table)
+    assert inodes(second, "table") == inodes(third, "table") != inodes(first, "table")
