@@ -13,8 +13,15 @@ shards of it are on disk: each file and the CRC-32C of its inner chunks (from th
 them, or the restored checkpoint's ``checksums.json``). At the next save a leaf that ``is`` such an
 array, not deleted, whose shards this process would write are exactly those remembered (same
 shape, dtype, shard shape and shard numbers), is linked. Identity, not value: an equal array that
-is another object is written. numpy arrays and other host values are always written, and so are
-packed (small) leaves.
+is another object is written. Packed (small) leaves are always written.
+
+**numpy arrays** are mutable, so only their content tells: a large one (not packed) of the same
+key, shape, dtype and shards as the last save wrote is compared, in the caller's thread, with the
+files that save wrote, by the CRC-32C of each inner chunk (which that save computed as it wrote
+them: no cost then), in order, stopping at the first that differs (so a changed array costs about
+one inner chunk, 8 MiB at most); only if every CRC matches are the bytes compared with the file's
+(a CRC is no identity), and then the files are linked and the array is not copied. Only where
+host values are written: process 0, or every process that writes its own copy (two tiers).
 
 **Linking, crash-safely.** :meth:`Memory.link` runs in the caller's thread, in the save's snapshot
 (while the array is surely alive): it hard-links every remembered file into the save's staging
@@ -48,11 +55,12 @@ import numpy as np
 from jaxckpt import _tensorstore
 from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import JaxckptError
-from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray, data_store
-from jaxckpt._snapshot import owners, process_of, region
-from jaxckpt._zarr_local import shards_in
-from jaxckpt._zarr_meta import chunk_key, metadata, shard_number
-from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK
+from jaxckpt._format import CHECKSUMS_FILE, DATA_DIR, JAX, NUMPY, ArrayLeaf, InArray, data_store
+from jaxckpt._local_files import aligned_empty, crc32c_of
+from jaxckpt._snapshot import owners, process_of, region, whole
+from jaxckpt._zarr_local import CRC, shards_in
+from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, shard_number
+from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK, inner_chunks, shards_of
 
 _CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json read to find CRCs
 # The memory of the manager whose restore call is running (Memory.restoring), and every live
@@ -70,9 +78,10 @@ class Shard(NamedTuple):
 class Linked(NamedTuple):
     """A leaf taken as links: what ``_save`` records for it, and the links to put in place."""
 
-    struct: jax.ShapeDtypeStruct  # its shape, dtype and sharding
+    struct: Any  # its shape, dtype and sharding: a jax.ShapeDtypeStruct, or a numpy array's stand-in
     chunks: tuple[int, ...]
     links: dict[str, dict[int, tuple[str, str, tuple[int, ...]]]]  # store -> number -> (link, chunk key, CRCs)
+    container: str = JAX  # NUMPY for a numpy array
 
 
 @dataclasses.dataclass
@@ -82,6 +91,16 @@ class _Entry:
     stored: str
     shards: dict[tuple[str, int], Shard] | None = None  # written by a save: (store, number) -> shard
     restored: tuple[Path, str, str] | None = None  # restored: the checkpoint, the array's path, its save
+
+
+@dataclasses.dataclass
+class _Host:
+    """A numpy array that the last save wrote, by key: compared by content at the next."""
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    stored: str
+    shards: dict[tuple[str, int], Shard]
 
 
 def plan(x: jax.Array, me: int, own_copy: bool) -> tuple[tuple[int, ...], dict[tuple[str, int], str]] | None:
@@ -112,6 +131,7 @@ class Memory:
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
         self._entries: dict[int, _Entry] = {}
         self._restored: dict[int, _Entry] = {}
+        self._host: dict[str, _Host] = {}
         # The manager's directory (resolved): restores of its checkpoints outside its calls count too.
         self.directory = None if directory is None else os.path.realpath(directory)
         if directory is not None:
@@ -120,14 +140,19 @@ class Memory:
     def close(self) -> None:
         """The manager is closed: it saves no more, so it remembers nothing more."""
         _WATCHING.discard(self)
-        self._entries, self._restored = {}, {}
+        self._entries, self._restored, self._host = {}, {}, {}
 
     def link(self, leaves: Mapping[str, Any], staging: Path, me: int, own_copy: bool) -> dict[str, Linked]:
         """Link the files of every leaf that is a remembered array into ``staging``; the leaves linked."""
         out: dict[str, Linked] = {}
-        if not (self._entries or self._restored):
+        if not (self._entries or self._restored or self._host):
             return out
         for key, x in leaves.items():
+            if isinstance(x, np.ndarray):
+                host = self._host.get(key) if me == 0 or own_copy else None  # who writes it
+                if host is not None and (same := _link_host(x, host, staging, len(out))) is not None:
+                    out[key] = same
+                continue
             entry = self._entries.get(id(x)) or self._restored.get(id(x))
             if entry is None or entry.ref() is not x or not isinstance(x, jax.Array):
                 continue
@@ -182,6 +207,11 @@ class Memory:
     ) -> None:
         """After a save published at ``dest``: its arrays' files (this process's), in place of what was remembered."""
         entries: dict[int, _Entry] = {}
+        self._host = {}
+        for key, leaf in leaves.items():  # numpy arrays with files of their own (written by process 0)
+            if isinstance(leaf, ArrayLeaf) and leaf.container == NUMPY and isinstance(leaf.at, InArray):
+                if leaf.at.chunks is not None and (shards := _written(dest, leaf, writers)):
+                    self._host[key] = _Host(tuple(leaf.shape), tuple(leaf.at.chunks), leaf.at.stored, shards)
         for key, ref in refs.items():
             leaf, x = leaves.get(key), ref()
             if (
@@ -191,17 +221,7 @@ class Memory:
                 or leaf.at.chunks is None
             ):
                 continue
-            at, chunks = leaf.at, tuple(leaf.at.chunks)
-            grid = [-(-n // s) for n, s in zip(leaf.shape, chunks)]
-            shards = {}
-            for store, writer in writers.items():
-                for number, crcs in writer.checksums.get(at.path, {}).items():
-                    file = dest / store / at.path / chunk_key(np.unravel_index(number, grid) if grid else ())
-                    try:
-                        shards[(store, number)] = Shard(str(file), tuple(crcs), os.stat(file).st_ino)
-                    except OSError:  # not there (deleted already?): not linked from
-                        continue
-            entries[id(x)] = _Entry(ref, chunks, at.stored, shards=shards)
+            entries[id(x)] = _Entry(ref, tuple(leaf.at.chunks), leaf.at.stored, shards=_written(dest, leaf, writers))
         self._entries, self._restored = entries, {}
 
     def loaded(self, opened: Any, values: Mapping[str, Any]) -> None:
@@ -256,6 +276,80 @@ def loaded(opened: Any, values: Mapping[str, Any]) -> None:
 
 def restoring(memory: Memory | None) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext() if memory is None else memory.restoring()
+
+
+def _written(dest: Path, leaf: ArrayLeaf, writers: Mapping[str, Any]) -> dict[tuple[str, int], Shard]:
+    """The shard files of ``leaf`` that this process's ``writers`` wrote into the checkpoint at ``dest``."""
+    assert isinstance(leaf.at, InArray) and leaf.at.chunks is not None
+    at, grid = leaf.at, [-(-n // s) for n, s in zip(leaf.shape, leaf.at.chunks)]
+    shards = {}
+    for store, writer in writers.items():
+        for number, crcs in writer.checksums.get(at.path, {}).items():
+            file = dest / store / at.path / chunk_key(np.unravel_index(number, grid) if grid else ())
+            try:
+                shards[(store, number)] = Shard(str(file), tuple(crcs), os.stat(file).st_ino)
+            except OSError:  # not there (deleted already?): not linked from
+                continue
+    return shards
+
+
+def _link_host(x: np.ndarray, host: _Host, staging: Path, n: int) -> Linked | None:
+    """Links to the files of a numpy array whose content is that of ``host`` (see the module's
+    docstring), or None: it is written."""
+    shape, dtype = tuple(x.shape), x.dtype
+    if shape != host.shape or dtype.name != host.stored or x.nbytes <= _tensorstore.PACK_LEAF_LIMIT:
+        return None
+    chunks = tuple(_tensorstore.chunk_shape(shape, shape, dtype.itemsize))
+    if chunks != host.chunks:
+        return None
+    inner, keys = inner_chunk_shape(chunks, dtype.itemsize), {}
+    for number, position, data in shards_of(shape, dtype, chunks, [(whole(shape), x)]):
+        shard = host.shards.get((DATA_DIR, number))
+        if shard is None or not _same_content(inner_chunks(data, inner), shard):
+            return None
+        keys[(DATA_DIR, number)] = chunk_key(position)
+    if len(keys) != len(host.shards):
+        return None
+    meta = json.dumps(metadata(shape, host.stored, chunks, dtype.itemsize)).encode()
+    links = _link_all({k: host.shards[k] for k in keys}, keys, staging, n, meta)
+    stand_in = np.broadcast_to(np.zeros((), dtype), shape)  # its shape and dtype, no data
+    return None if links is None else Linked(stand_in, chunks, links, NUMPY)
+
+
+def _same_content(views: list[memoryview], shard: Shard) -> bool:
+    """Whether ``views`` (a shard's inner chunks) are the bytes of ``shard``'s file: first each CRC
+    in turn (a changed array is found at its first changed chunk), then, all matching, the bytes."""
+    if len(views) != len(shard.crcs) or any(crc32c_of(v) != crc for v, crc in zip(views, shard.crcs)):
+        return False
+    try:
+        fd = os.open(shard.file, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_ino != shard.inode:
+            return False
+        buffer, offset = aligned_empty((max(len(v) for v in views) + CRC,), np.dtype(np.uint8)), 0
+        for view in views:
+            size = len(view) + CRC  # each chunk is followed by its CRC (jaxckpt._zarr_write)
+            if os.preadv(fd, [buffer.data[:size]], offset) != size or not _equal(buffer[: len(view)], view):
+                return False
+            offset += size
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _equal(a: np.ndarray, b: memoryview) -> bool:
+    """Bytes compared 8 at a time where they allow."""
+    other = np.frombuffer(b, np.uint8)
+    n = len(other) - len(other) % 8
+    if n and other.ctypes.data % 8 == 0 and a.ctypes.data % 8 == 0:
+        if not np.array_equal(a[:n].view(np.uint64), other[:n].view(np.uint64)):
+            return False
+        a, other = a[n:], other[n:]
+    return np.array_equal(a, other)
 
 
 def _listdir(folder: Path) -> list[str]:

@@ -309,7 +309,7 @@ class _Records:
             view = np.asarray(item)
             item = [JAX, None, view, view, 0]
         elif isinstance(item, _incremental.Linked):  # hard links to an earlier checkpoint's files
-            item = [JAX, None, item.struct, item, 0]
+            item = [item.container, None, item.struct, item, 0]
         container, impl, x, host, copied = item
         fresh = isinstance(x, Deferred)
         if fresh:  # read only now; no one else holds it, so it needs no snapshot copy

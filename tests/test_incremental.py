@@ -442,3 +442,16 @@ def test_a_numpy_array_changed_in_place_after_an_async_save_is_written_as_it_was
     assert jaxckpt.restore(first)["table"][0, 0] == host_table()[0, 0]
     np.testing.assert_array_equal(jaxckpt.restore(second)["table"], table)
     assert inodes(second, "table") == inodes(third, "table") != inodes(first, "table")
+
+
+def test_two_tiers_link_an_unchanged_numpy_array_in_the_local_tier(tmp_path):
+    table = host_table()
+    ckpt = jaxckpt.Checkpoint(step=0, table=table)
+    local = tmp_path / "local"
+    with jaxckpt.CheckpointManager(ckpt, tmp_path / "durable", step_counter="step", local_directory=local) as manager:
+        for step in (1, 2):
+            ckpt.step = step
+            manager.save()
+        manager.wait_until_finished()
+    assert inodes(local / "ckpt-1", "table") == inodes(local / "ckpt-2", "table")
+    np.testing.assert_array_equal(jaxckpt.restore(str(tmp_path / "durable" / "ckpt-2"))["table"], table)
