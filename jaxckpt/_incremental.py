@@ -17,10 +17,11 @@ is another object is written. Packed (small) leaves are always written.
 
 **numpy arrays** are mutable, so only their content tells: a large one (not packed) of the same
 key, shape, dtype and shards as the last save wrote is compared, in the caller's thread, with the
-files that save wrote, by the CRC-32C of each inner chunk (which that save computed as it wrote
-them: no cost then), in order, stopping at the first that differs (so a changed array costs about
-one inner chunk, 8 MiB at most); only if every CRC matches are the bytes compared with the file's
-(a CRC is no identity), and then the files are linked and the array is not copied. Only where
+files that save wrote: its first 64 KiB with the file's (an array changed everywhere costs just
+that), then the CRC-32C of each inner chunk (which that save computed as it wrote them: no cost
+then), in order, stopping at the first that differs (a change anywhere, found without reading the
+file); only if every CRC matches are all the bytes compared with the file's (a CRC is no
+identity), and then the files are linked and the array is neither copied nor written. Only where
 host values are written: process 0, or every process that writes its own copy (two tiers).
 
 **Linking, crash-safely.** :meth:`Memory.link` runs in the caller's thread, in the save's snapshot
@@ -63,6 +64,7 @@ from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, shard_num
 from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK, inner_chunks, shards_of
 
 _CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json read to find CRCs
+_PROBE = 64 << 10  # bytes of a numpy array compared with its file's before any CRC (_same_content)
 # The memory of the manager whose restore call is running (Memory.restoring), and every live
 # manager's memory, told of the restores of its directory's checkpoints outside its calls.
 _RESTORING: contextvars.ContextVar[Memory | None] = contextvars.ContextVar("jaxckpt_restoring", default=None)
@@ -317,9 +319,11 @@ def _link_host(x: np.ndarray, host: _Host, staging: Path, n: int) -> Linked | No
 
 
 def _same_content(views: list[memoryview], shard: Shard) -> bool:
-    """Whether ``views`` (a shard's inner chunks) are the bytes of ``shard``'s file: first each CRC
-    in turn (a changed array is found at its first changed chunk), then, all matching, the bytes."""
-    if len(views) != len(shard.crcs) or any(crc32c_of(v) != crc for v, crc in zip(views, shard.crcs)):
+    """Whether ``views`` (a shard's inner chunks) are the bytes of ``shard``'s file. Cheapest first:
+    the first :data:`_PROBE` bytes against the file's (an array changed everywhere differs there);
+    then each chunk's CRC in turn (a change anywhere, found at its chunk without reading the file);
+    then, every CRC matching, all the bytes against the file's (a CRC is no identity)."""
+    if len(views) != len(shard.crcs) or not views:
         return False
     try:
         fd = os.open(shard.file, os.O_RDONLY)
@@ -328,7 +332,13 @@ def _same_content(views: list[memoryview], shard: Shard) -> bool:
     try:
         if os.fstat(fd).st_ino != shard.inode:
             return False
-        buffer, offset = aligned_empty((max(len(v) for v in views) + CRC,), np.dtype(np.uint8)), 0
+        buffer = aligned_empty((max(len(v) for v in views) + CRC,), np.dtype(np.uint8))
+        probe = min(_PROBE, len(views[0]))
+        if os.preadv(fd, [buffer.data[:probe]], 0) != probe or not _equal(buffer[:probe], views[0][:probe]):
+            return False
+        if any(crc32c_of(v) != crc for v, crc in zip(views, shard.crcs)):
+            return False
+        offset = 0
         for view in views:
             size = len(view) + CRC  # each chunk is followed by its CRC (jaxckpt._zarr_write)
             if os.preadv(fd, [buffer.data[:size]], offset) != size or not _equal(buffer[: len(view)], view):

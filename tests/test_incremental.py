@@ -363,16 +363,17 @@ def host_table(seed: int = 0) -> np.ndarray:
 
 
 def crc_blind_change(table: np.ndarray) -> np.ndarray:
-    """``table`` with bits flipped in its first 5 bytes such that the CRC-32C of every same-length
-    message is unchanged (CRC is linear: a combination of 33 bit flips whose CRCs cancel exists)."""
+    """``table`` with bits flipped in 5 bytes past its first 64 KiB, such that the CRC-32C of every
+    same-length message is unchanged (CRC is linear: a combination of 33 bit flips whose CRCs cancel
+    exists), so that only comparing the bytes finds the change."""
     import crc32c
 
-    n = table.nbytes
+    n, at = table.nbytes, 200_000
     zero = crc32c.crc32c(bytes(n))
 
     def effect(bit: int) -> int:
         e = bytearray(n)
-        e[bit // 8] |= 1 << (bit % 8)
+        e[at + bit // 8] |= 1 << (bit % 8)
         return crc32c.crc32c(bytes(e)) ^ zero
 
     basis: dict[int, tuple[int, int]] = {}  # leading bit -> (vector, bits combined)
@@ -388,7 +389,7 @@ def crc_blind_change(table: np.ndarray) -> np.ndarray:
             raw = bytearray(table.tobytes())
             for b in range(40):
                 if used >> b & 1:
-                    raw[b // 8] ^= 1 << (b % 8)
+                    raw[at + b // 8] ^= 1 << (b % 8)
             out = np.frombuffer(bytes(raw), table.dtype).reshape(table.shape).copy()
             assert crc32c.crc32c(out.tobytes()) == crc32c.crc32c(table.tobytes()) and not np.array_equal(out, table)
             return out
@@ -420,11 +421,14 @@ def test_a_numpy_array_changed_anywhere_is_written(tmp_path, counted_writes):
     table = host_table()
     last = table.copy()
     last[-1, -1] += 1  # in its last inner chunk
+    first = table.copy()
+    first[0, 0] += 1  # in its first bytes
     blind = crc_blind_change(table)
-    paths = host_run(tmp_path / "ckpts", [table, last, blind, table])
-    assert len(counted_writes) == 4
-    assert len({frozenset(inodes(p, "table")) for p in paths}) == 4
-    for path, expected in zip(paths, [table, last, blind, table]):
+    tables = [table, last, blind, first, table]
+    paths = host_run(tmp_path / "ckpts", tables)
+    assert len(counted_writes) == 5
+    assert len({frozenset(inodes(p, "table")) for p in paths}) == 5
+    for path, expected in zip(paths, tables):
         np.testing.assert_array_equal(jaxckpt.restore(path)["table"], expected)
 
 
