@@ -26,6 +26,14 @@ memory pre-touched (3x the state + 512 MiB; see /work/shared/BENCHMARKING.md):
   jitted ``w * 0.999 + 0.001``): what looking for unchanged arrays costs. Besides the save times of
   both, the time jaxckpt spends in :mod:`jaxckpt._incremental` itself (``Memory.link``, ``refs``,
   ``remember``) is measured directly, as a share of the save time.
+- ``host`` and ``host-full``: the LoRA-shaped run with the base as numpy arrays (host data, compared
+  by content), the same arrays throughout; ``host-copied``: the base replaced by equal copies at
+  every step (content, not identity, decides)
+- ``host-changing`` and ``host-changing-full``: the numpy base replaced at every step
+  (``w * 0.999 + 0.001``, untimed): what comparing host arrays costs where every one has changed
+  (about one inner chunk's CRC each)
+- ``host-tail-changing``: the numpy base with only its last element changed at every step: the
+  worst case, every chunk's CRC computed before the change is found
 
 Writes benchmarks/incremental.json (a full run) or benchmarks/.work/incremental.json.
 """
@@ -49,6 +57,7 @@ sys.path.insert(0, HERE)
 
 MiB = 1 << 20
 CONFIGS = ("incremental", "full", "orbax", "restart", "all-changing", "all-changing-full")
+HOST_CONFIGS = ("host", "host-full", "host-copied", "host-changing", "host-changing-full", "host-tail-changing")
 RANK = 8
 
 
@@ -75,7 +84,10 @@ def child(config: str, workdir: str, side: int, leaves: int, steps: int) -> dict
 
     jaxckpt = import_jaxckpt()
     rng = np.random.default_rng(0)
-    base = {f"w{i:02d}": jnp.asarray(rng.standard_normal((side, side), np.float32)) for i in range(leaves)}
+    host = config.startswith("host")
+    base = {f"w{i:02d}": rng.standard_normal((side, side), np.float32) for i in range(leaves)}
+    if not host:
+        base = {k: jnp.asarray(v) for k, v in base.items()}
 
     def lora(scale: float) -> dict[str, Any]:
         return {
@@ -98,6 +110,14 @@ def child(config: str, workdir: str, side: int, leaves: int, steps: int) -> dict
         s = {**s, **adapter_step({k: s[k] for k in ("adapter", "mu", "nu")}), "step": s["step"] + 1}
         if config.startswith("all-changing"):
             s["base"] = all_step(s["base"])
+        elif config == "host-copied":
+            s["base"] = {k: v.copy() for k, v in s["base"].items()}
+        elif config.startswith("host-changing"):
+            s["base"] = {k: v * np.float32(0.999) + np.float32(0.001) for k, v in s["base"].items()}
+        elif config == "host-tail-changing":
+            s["base"] = {k: v.copy() for k, v in s["base"].items()}
+            for v in s["base"].values():
+                v[-1, -1] += 1
         return jax.block_until_ready(s)
 
     state = advance(state)  # compiled before anything is timed
@@ -134,7 +154,7 @@ def child(config: str, workdir: str, side: int, leaves: int, steps: int) -> dict
 
     else:
         ckpt = jaxckpt.Checkpoint(state=state)
-        options = {"incremental": False} if config in ("full", "all-changing-full") else {}
+        options = {"incremental": False} if config.endswith("-full") or config == "full" else {}
         manager = jaxckpt.CheckpointManager(ckpt, folder, max_to_keep=3, **options)
 
         def save(s: dict[str, Any]) -> None:
@@ -210,9 +230,10 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "disk_mib": r["disk_bytes"] / MiB,
             "cpu_s": r["cpu_s"],
         }
-    if "full" in out:
-        full = out["full"]
-        for s in out.values():
+    for config, s in out.items():  # against the full save of the same state
+        reference = "host-full" if config.startswith("host") else "full"
+        if reference in out:
+            full = out[reference]
             s["written_x_full"] = s["written_median_mib"] / full["written_median_mib"]
             s["time_x_full"] = s["save_median_s"] / full["save_median_s"]
     return out
@@ -238,7 +259,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--side", type=int, default=4096, help="each base array is side x side float32 (default 4096)")
     p.add_argument("--leaves", type=int, default=16, help="base arrays (default 16)")
     p.add_argument("--steps", type=int, default=20, help="saves per configuration (default 20)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS + HOST_CONFIGS)}"
+    )
     p.add_argument("--quick", action="store_true", help="16 x 1024^2 (64 MiB), 5 steps: a smoke test")
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a fresh folder in /tmp)")
     p.add_argument("--jaxckpt-rev", default=None, help="measure jaxckpt as committed at git revision REV")
