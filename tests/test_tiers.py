@@ -326,6 +326,24 @@ def test_under_disk_pressure_local_checkpoints_the_durable_tier_holds_go_first(t
         ]
 
 
+def test_under_disk_pressure_room_is_counted_in_bytes_a_save_writes_new(tmp_path, monkeypatch):
+    """Incremental local saves link a frozen base: a save needs room for what it writes new (the
+    latest save's own files), not for the checkpoint's full size."""
+    frozen = jnp.arange(4 << 20, dtype=jnp.float32)  # 16 MiB, linked by every local save
+    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, w=jnp.zeros(8, jnp.float32), rng=np.uint32(7))
+    with _manager(ckpt, tmp_path / "durable", tmp_path / "local", local_policies=jaxckpt.KeepLatest(5)) as m:
+        _train(ckpt, m, 10)  # local: 2..10; durable: 4, 8
+        m.wait_until_finished()
+        assert [c.step for c in m.local_checkpoint_infos] == [2, 4, 6, 8, 10]
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=4 << 20))  # < 16 MiB
+        _train(ckpt, m, 12)
+        m.wait_until_finished()
+        # 4 MiB is room enough for a save that writes a few KiB: nothing is dropped but by retention.
+        assert [c.step for c in m.local_checkpoint_infos] == [4, 6, 8, 10, 12]
+    np.testing.assert_array_equal(jaxckpt.restore(str(tmp_path / "local" / "ckpt-12"))["base"], np.asarray(frozen))
+
+
 def test_local_retention_lets_go_of_a_checkpoint_once_its_copy_ends(tmp_path, monkeypatch):
     """Local retention keeps a checkpoint while its durable copy runs; when the copy ends, retention
     applies again (before, ckpt-8 stayed in the local tier until the next local save, or for good)."""
