@@ -183,21 +183,22 @@ class TwoTiers(OneTier):
         return path
 
     def _make_room(self) -> None:
-        """Under disk pressure (less free space on the local disk than the latest local checkpoint
-        takes), drop the local checkpoints that the durable tier already holds, oldest first, before
+        """Under disk pressure (less free space on the local disk than the latest local save wrote
+        new), drop the local checkpoints that the durable tier already holds, oldest first, before
         the next local save: the local tier caches the durable one. The newest stays, and so do
-        those not copied yet."""
+        those not copied yet. Bytes are those of files with no other hard link (see
+        jaxckpt._incremental): what a save wrote new, and what deleting a checkpoint frees."""
         local = self._local
         if len(local._infos) < 2:
             return
-        need = _local_tree.total_bytes(_storage.location(local._infos[-1].path)) or 0
+        need = _own_bytes(local._infos[-1].path)
         free = shutil.disk_usage(local.directory).free
         durable = {os.path.basename(c.path) for c in self._infos}
         for c in local._infos[:-1]:
             if free >= need:
                 return
             if os.path.basename(c.path) in durable and c.path not in local._also_keep:
-                free += _local_tree.total_bytes(_storage.location(c.path)) or 0
+                free += _own_bytes(c.path)
                 self._keep_local([k for k in local._infos if k is not c])
                 local._deleter.wait()  # the space must be free before the save, not in the background
 
@@ -490,3 +491,9 @@ class TwoTiers(OneTier):
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._directory!r}, local_directory={self._local.directory!r})"
+
+
+def _own_bytes(path: str) -> int:
+    """Bytes of a local checkpoint's files that no other checkpoint shares (hard links)."""
+    found = _local_tree.usage(_storage.location(path))
+    return 0 if found is None else found.apparent - found.shared
