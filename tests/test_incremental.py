@@ -459,3 +459,22 @@ def test_two_tiers_link_an_unchanged_numpy_array_in_the_local_tier(tmp_path):
         manager.wait_until_finished()
     assert inodes(local / "ckpt-1", "table") == inodes(local / "ckpt-2", "table")
     np.testing.assert_array_equal(jaxckpt.restore(str(tmp_path / "durable" / "ckpt-2"))["table"], table)
+
+
+def test_a_numpy_array_restored_from_the_manager_s_checkpoint_is_linked_if_unchanged(tmp_path, counted_writes):
+    directory = tmp_path / "ckpts"
+    (first,) = host_run(directory, [host_table()])
+    del counted_writes[:]
+    ckpt = jaxckpt.Checkpoint(step=0, table=np.zeros((1024, 1024), np.float32), small=np.zeros(4))
+    with jaxckpt.CheckpointManager(ckpt, directory, step_counter="step") as manager:
+        ckpt.restore(manager.latest_checkpoint).assert_consumed()
+        ckpt.step = 2
+        second = manager.save()
+        ckpt.table = ckpt.table.copy()
+        ckpt.table[5, 5] += 1
+        ckpt.step = 3
+        third = manager.save()
+        manager.wait_until_finished()
+    assert inodes(second, "table") == inodes(first, "table") != inodes(third, "table")
+    assert len(counted_writes) == 1  # the third's
+    np.testing.assert_array_equal(jaxckpt.restore(second)["table"], host_table())
