@@ -121,8 +121,10 @@ class CheckpointManager:
         preemption_grace_s: how long :meth:`save_if_preempted` waits for the durable copy (30 s by default).
         metadata: the run's configuration (JSON), recorded once for the directory.
         incremental: on a local disk, hard-link the files of every large ``jax.Array`` that is the very
-            object this manager last saved or restored, instead of writing it again (``False``: write
-            every save in full). See "Incremental checkpoints" in the training loops guide.
+            object this manager last saved or that a restore of one of its checkpoints returned, and
+            of every large numpy array whose bytes it last saved, instead of writing it again
+            (``False``: write every save in full). See "Incremental checkpoints" in the training
+            loops guide.
     """
 
     def __init__(

@@ -16,10 +16,10 @@ shape, dtype, shard shape and shard numbers), is linked. Identity, not value: an
 is another object is written. Packed (small) leaves are always written.
 
 **numpy arrays** are mutable, so only their content tells: a large one (not packed) of the same
-key, shape, dtype and shards as the last save wrote is compared, in the caller's thread, with the
-files that save wrote: its first 64 KiB with the file's (an array changed everywhere costs just
-that), then the CRC-32C of each inner chunk (which that save computed as it wrote them: no cost
-then), in order, stopping at the first that differs (a change anywhere, found without reading the
+key, shape, dtype and shards as the last save wrote (or a restore read, as above) is compared, in
+the caller's thread, with those files: its first 64 KiB with the file's (an array changed
+everywhere costs just that), then the CRC-32C of each inner chunk (which that save computed as it
+wrote them: no cost then; a restored checkpoint's ``checksums.json``), in order, stopping at the first that differs (a change anywhere, found without reading the
 file); only if every CRC matches are all the bytes compared with the file's (a CRC is no
 identity), and then the files are linked and the array is neither copied nor written. Only where
 host values are written: process 0, or every process that writes its own copy (two tiers).
@@ -98,12 +98,13 @@ class _Entry:
 
 @dataclasses.dataclass
 class _Host:
-    """A numpy array that the last save wrote, by key: compared by content at the next."""
+    """A numpy array that the last save wrote, or a restore read, by key: compared by content at the next."""
 
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     stored: str
-    shards: dict[tuple[str, int], Shard]
+    shards: dict[tuple[str, int], Shard] | None  # None: restored, found from its checkpoint's checksums
+    restored: tuple[Path, str, str] | None = None  # the checkpoint, the array's path, its save
 
 
 def plan(x: jax.Array, me: int, own_copy: bool) -> tuple[tuple[int, ...], dict[tuple[str, int], str]] | None:
@@ -237,6 +238,15 @@ class Memory:
         for key, x in values.items():
             leaf = index.leaves.get(key)
             if (
+                isinstance(x, np.ndarray)
+                and isinstance(leaf, ArrayLeaf)
+                and leaf.container == NUMPY
+                and isinstance(leaf.at, InArray)
+                and leaf.at.chunks is not None
+            ):
+                where = (Path(folder), leaf.at.path, index.save)
+                self._host[key] = _Host(tuple(leaf.shape), tuple(leaf.at.chunks), leaf.at.stored, None, where)
+            elif (
                 isinstance(x, jax.Array)
                 and isinstance(leaf, ArrayLeaf)
                 and isinstance(leaf.at, InArray)
@@ -305,49 +315,67 @@ def _link_host(x: np.ndarray, host: _Host, staging: Path, n: int) -> Linked | No
     chunks = tuple(_tensorstore.chunk_shape(shape, shape, dtype.itemsize))
     if chunks != host.chunks:
         return None
-    inner, keys = inner_chunk_shape(chunks, dtype.itemsize), {}
+    known = host.shards if host.shards is not None else _restored_shards(host)
+    inner, keys, sources = inner_chunk_shape(chunks, dtype.itemsize), {}, {}
     for number, position, data in shards_of(shape, dtype, chunks, [(whole(shape), x)]):
-        shard = host.shards.get((DATA_DIR, number))
-        if shard is None or not _same_content(inner_chunks(data, inner), shard):
+        shard = known.get((DATA_DIR, number))
+        inode = None if shard is None else _same_content(inner_chunks(data, inner), shard)
+        if shard is None or inode is None:
             return None
         keys[(DATA_DIR, number)] = chunk_key(position)
-    if len(keys) != len(host.shards):
+        sources[(DATA_DIR, number)] = shard._replace(inode=inode)  # the file compared is the one linked
+    if len(keys) != len(known):
         return None
     meta = json.dumps(metadata(shape, host.stored, chunks, dtype.itemsize)).encode()
-    links = _link_all({k: host.shards[k] for k in keys}, keys, staging, n, meta)
+    links = _link_all(sources, keys, staging, n, meta)
     stand_in = np.broadcast_to(np.zeros((), dtype), shape)  # its shape and dtype, no data
     return None if links is None else Linked(stand_in, chunks, links, NUMPY)
 
 
-def _same_content(views: list[memoryview], shard: Shard) -> bool:
-    """Whether ``views`` (a shard's inner chunks) are the bytes of ``shard``'s file. Cheapest first:
+def _restored_shards(host: _Host) -> dict[tuple[str, int], Shard]:
+    """The shard files of a restored numpy array, with the CRCs its checkpoint lists for the save restored."""
+    assert host.restored is not None
+    folder, array, save = host.restored
+    grid = [-(-n // s) for n, s in zip(host.shape, host.chunks)]
+    crcs = _checksums_of(folder / DATA_DIR, array, save)
+    out = {}
+    for number, c in crcs.items():
+        position = [int(i) for i in np.unravel_index(number, grid)]
+        out[(DATA_DIR, number)] = Shard(str(folder / DATA_DIR / array / chunk_key(position)), c)
+    return out
+
+
+def _same_content(views: list[memoryview], shard: Shard) -> int | None:
+    """The inode of ``shard``'s file if ``views`` (a shard's inner chunks) are its bytes, else None
+    (``shard.inode``, where known, must be the file's). Cheapest first:
     the first :data:`_PROBE` bytes against the file's (an array changed everywhere differs there);
     then each chunk's CRC in turn (a change anywhere, found at its chunk without reading the file);
     then, every CRC matching, all the bytes against the file's (a CRC is no identity)."""
     if len(views) != len(shard.crcs) or not views:
-        return False
+        return None
     try:
         fd = os.open(shard.file, os.O_RDONLY)
     except OSError:
-        return False
+        return None
     try:
-        if os.fstat(fd).st_ino != shard.inode:
-            return False
+        inode = os.fstat(fd).st_ino
+        if shard.inode is not None and inode != shard.inode:
+            return None
         buffer = aligned_empty((max(len(v) for v in views) + CRC,), np.dtype(np.uint8))
         probe = min(_PROBE, len(views[0]))
         if os.preadv(fd, [buffer.data[:probe]], 0) != probe or not _equal(buffer[:probe], views[0][:probe]):
-            return False
+            return None
         if any(crc32c_of(v) != crc for v, crc in zip(views, shard.crcs)):
-            return False
+            return None
         offset = 0
         for view in views:
             size = len(view) + CRC  # each chunk is followed by its CRC (jaxckpt._zarr_write)
             if os.preadv(fd, [buffer.data[:size]], offset) != size or not _equal(buffer[: len(view)], view):
-                return False
+                return None
             offset += size
-        return True
+        return inode
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
 
