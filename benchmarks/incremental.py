@@ -21,7 +21,8 @@ memory pre-touched (3x the state + 512 MiB; see /work/shared/BENCHMARKING.md):
   ``save(step, args=StandardSave(state))``
 - ``restart``: one save, then a new process restores the base through a new manager
   (``restore_or_initialize`` with templates) and saves ``--steps`` more steps: the first is the
-  "right after a restart" row
+  "right after a restart" row; ``restart-tf`` the same with TensorFlow's idiom,
+  ``ckpt.restore(manager.latest_checkpoint)``
 - ``all-changing`` and ``all-changing-full``: every array (base included) replaced at every step (a
   jitted ``w * 0.999 + 0.001``): what looking for unchanged arrays costs. Besides the save times of
   both, the time jaxckpt spends in :mod:`jaxckpt._incremental` itself (``Memory.link``, ``refs``,
@@ -57,6 +58,7 @@ sys.path.insert(0, HERE)
 
 MiB = 1 << 20
 CONFIGS = ("incremental", "full", "orbax", "restart", "all-changing", "all-changing-full")
+MORE_CONFIGS = ("restart-tf",)
 HOST_CONFIGS = ("host", "host-full", "host-copied", "host-changing", "host-changing-full", "host-tail-changing")
 RANK = 8
 
@@ -161,7 +163,7 @@ def child(config: str, workdir: str, side: int, leaves: int, steps: int) -> dict
             ckpt.state = s
             manager.save(step=s["step"])
 
-    if config == "restart":  # the first process: one save, then gone; the base is restored below
+    if config.startswith("restart"):  # the first process: one save, then gone; the base is restored below
         save(state)
         manager.close()
         templates = jax.tree.map(
@@ -171,7 +173,10 @@ def child(config: str, workdir: str, side: int, leaves: int, steps: int) -> dict
         del state, base, ckpt
         ckpt = jaxckpt.Checkpoint(state=templates)
         manager = jaxckpt.CheckpointManager(ckpt, folder, max_to_keep=3)
-        manager.restore_or_initialize()
+        if config == "restart":
+            manager.restore_or_initialize()
+        else:  # TensorFlow's idiom: the Checkpoint restores, the manager only names the checkpoint
+            ckpt.restore(manager.latest_checkpoint).assert_consumed()
         state = ckpt.state
 
     pretouch(3 * nbytes + 512 * MiB)
@@ -260,7 +265,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--leaves", type=int, default=16, help="base arrays (default 16)")
     p.add_argument("--steps", type=int, default=20, help="saves per configuration (default 20)")
     p.add_argument(
-        "--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS + HOST_CONFIGS)}"
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated, of {', '.join(CONFIGS + MORE_CONFIGS + HOST_CONFIGS)}",
     )
     p.add_argument("--quick", action="store_true", help="16 x 1024^2 (64 MiB), 5 steps: a smoke test")
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a fresh folder in /tmp)")
