@@ -478,3 +478,11 @@ def test_a_numpy_array_restored_from_the_manager_s_checkpoint_is_linked_if_uncha
     assert inodes(second, "table") == inodes(first, "table") != inodes(third, "table")
     assert len(counted_writes) == 1  # the third's
     np.testing.assert_array_equal(jaxckpt.restore(second)["table"], host_table())
+
+
+def test_a_numpy_array_of_the_same_bytes_in_another_byte_order_is_written(tmp_path):
+    table = host_table()
+    swapped = table.view(table.dtype.newbyteorder(">"))  # the same bytes, other values
+    paths = host_run(tmp_path / "ckpts", [table, swapped])
+    assert not inodes(paths[0], "table") & inodes(paths[1], "table")
+    np.testing.assert_array_equal(jaxckpt.restore(paths[1])["table"], swapped)
