@@ -61,7 +61,7 @@ from jaxckpt._format import CHECKSUMS_FILE, DATA_DIR, JAX, NUMPY, ArrayLeaf, InA
 from jaxckpt._local_files import aligned_empty, crc32c_of
 from jaxckpt._snapshot import owners, process_of, region, whole
 from jaxckpt._zarr_local import CRC, shards_in
-from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, shard_number
+from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, numpy_dtype, shard_number
 from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK, inner_chunks, shards_of
 
 _CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json read to find CRCs
@@ -310,7 +310,8 @@ def _link_host(x: np.ndarray, host: _Host, staging: Path, n: int) -> Linked | No
     """Links to the files of a numpy array whose content is that of ``host`` (see the module's
     docstring), or None: it is written."""
     shape, dtype = tuple(x.shape), x.dtype
-    if shape != host.shape or dtype.name != host.stored or x.nbytes <= _tensorstore.PACK_LEAF_LIMIT:
+    # The dtype stored, byte order included ('>f4' is named float32 too): the same bytes, the same values.
+    if shape != host.shape or dtype != numpy_dtype(host.stored) or x.nbytes <= _tensorstore.PACK_LEAF_LIMIT:
         return None
     chunks = tuple(_tensorstore.chunk_shape(shape, shape, dtype.itemsize))
     if chunks != host.chunks:
