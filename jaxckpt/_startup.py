@@ -183,6 +183,7 @@ def remove_leftovers(
         elif options.number(name) is not None and name not in listed:
             # As retention deletes: first made no checkpoint (renamed away, or its index deleted), so
             # that a crash in the middle of this never leaves a half-deleted one to adopt next time.
-            _retention.remove_checkpoint(folder / name)
+            users = [folder / os.path.basename(c.path) for c in infos if name in c.uses]  # held data stays
+            _retention.remove_checkpoint(folder / name, users)
         elif name in listed:  # listed, but a crash came before its mark was dropped
             _statefile.clear_unrecorded(folder / name)

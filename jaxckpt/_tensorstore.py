@@ -179,6 +179,8 @@ class Writer:
         self._context = _context()
         self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]] | _PackParts]] = []
         self._checksums: _checksums.Written = {}
+        # Arrays stored by reference to a sibling checkpoint (buckets; see jaxckpt._refs): path -> Ref.
+        self.refs: dict[str, Any] = {}
 
     @property
     def checksums(self) -> _checksums.Written:
@@ -189,8 +191,13 @@ class Writer:
         """Write the data store's checksums (:mod:`jaxckpt._checksums`), once every array is flushed."""
         if self._local is not None:
             self._local.finish(save)
-        elif self._checksums:
+            return
+        if self._checksums:
             _kvstore.kv_write(self._base, CHECKSUMS_FILE, _checksums.encode(save, self._checksums))
+        if self.refs:
+            from jaxckpt import _refs  # which reads through this module
+
+            _kvstore.kv_write(self._base, _refs.REFS_FILE, _refs.encode(save, self.refs))
 
     @property
     def local(self) -> bool:
@@ -235,9 +242,13 @@ class Writer:
         self._planned.append((path, sharded_metadata(shape, stored, chunks), list(parts)))
 
     def add_linked(self, path: str, shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int], links: Any) -> None:
-        """Record an array whose shards are hard links already made (local disks only; see
-        :mod:`jaxckpt._incremental`): shard number -> (the link, its chunk key, its CRC-32C)."""
-        assert self._local is not None, "links are made on local disks only"
+        """Record an array whose shards are hard links already made (local disks; see
+        :mod:`jaxckpt._incremental`): shard number -> (the link, its chunk key, its CRC-32C); on a
+        bucket, ``links`` is a reference to the sibling that holds them (:mod:`jaxckpt._refs`)."""
+        if self._local is None:
+            if links:  # none where this process holds no shard of it
+                self.refs[path] = links
+            return
         self._local.add_linked(path, shape, dtype, chunks, links)  # stored by its own name locally
 
     def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]]) -> None:

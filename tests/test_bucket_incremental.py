@@ -1,0 +1,218 @@
+"""Incremental checkpoints on buckets: unchanged arrays stored by reference (format 6, jaxckpt._refs),
+held data kept while a kept checkpoint uses it, and hostile references refused."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt import _kvstore, _refs, _storage, _tensorstore
+
+MESH = jax.make_mesh((8,), ("x",))
+SHARDED = jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec("x"))
+
+
+@pytest.fixture(autouse=True)
+def small_pack_limit(monkeypatch):
+    """Arrays over 1 MiB are arrays of their own on a bucket too (not packed), so that tests stay small."""
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", 1 << 20)
+
+
+def base() -> dict[str, jax.Array]:
+    return {
+        "w0": jax.device_put(jnp.arange(512 * 1024, dtype=jnp.float32).reshape(1024, 512), SHARDED),
+        "w1": jnp.full((1536, 512), 3.0, jnp.bfloat16) * jnp.arange(512, dtype=jnp.bfloat16),
+    }
+
+
+def adapter(step: int) -> jax.Array:
+    return jnp.full((512, 1024), float(step), jnp.float32)
+
+
+def keys(path: str) -> list[str]:
+    return sorted(_kvstore.kv_keys(_storage.location(path).spec()))
+
+
+def index_of(path: str) -> dict:
+    return json.loads(_storage.read_file(_storage.location(path), "index.json"))
+
+
+def expect_restores(path: str, frozen: dict[str, jax.Array], step: int) -> None:
+    tree = jaxckpt.restore(path)
+    for k, v in frozen.items():
+        np.testing.assert_array_equal(np.asarray(tree["base"][k]), np.asarray(v))
+    np.testing.assert_array_equal(np.asarray(tree["adapter"]), np.asarray(adapter(step)))
+    assert tree["step"] == step
+
+
+def run(directory: str, steps: int, *, keep: int = 3, frozen=None, **options):
+    frozen = base() if frozen is None else frozen
+    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
+    with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=keep, step_counter="step", **options) as manager:
+        for step in range(1, steps + 1):
+            ckpt.step = step
+            ckpt.adapter = adapter(step)
+            manager.save()
+        manager.wait_until_finished()
+        return frozen, manager.checkpoints
+
+
+def test_unchanged_arrays_are_stored_by_reference(s3):
+    frozen, paths = run(s3, 3)
+    first, *later = paths
+    assert index_of(first)["version"] == 5  # nothing referred to: readable by format-5 readers
+    for path in later:
+        assert index_of(path)["version"] == 6
+        refs = _refs.decode(_storage.read_file(_storage.location(path), "data/refs.json"), "", index_of(path)["save"])
+        assert {r.checkpoint for r in refs.values()} == {"ckpt-1"} and len(refs) == 2
+        arrays = {k.split("/")[2] for k in keys(path) if k.startswith("data/a/")}
+        assert len(arrays) == 1  # the adapter's only
+    for step, path in enumerate(paths, start=1):
+        expect_restores(path, frozen, step)
+    state = json.loads(_storage.read_file(_storage.location(s3), "checkpoint"))
+    assert [c.get("uses", []) for c in state["checkpoints"]] == [[], ["ckpt-1"], ["ckpt-1"]]
+
+
+def test_retention_holds_referenced_data_and_frees_it_when_unused(s3):
+    frozen, paths = run(s3, 5, keep=2)
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["ckpt-4", "ckpt-5"]
+    held = keys(f"{s3}/ckpt-1")
+    assert "index.json" not in held and "data/checksums.json" in held
+    assert not any(k.startswith("data/p/") for k in held)  # its adapter pack and all else went
+    assert not _storage.children(_storage.location(f"{s3}/ckpt-2"))  # used nothing of its own
+    for step, path in zip((4, 5), paths):
+        expect_restores(path, frozen, step)
+    # A new base: the next saves write it, and once no kept checkpoint uses ckpt-1, it goes.
+    run(s3, 0)  # a manager start-up keeps held data that kept checkpoints use
+    assert keys(f"{s3}/ckpt-1") == held
+    ckpt = jaxckpt.Checkpoint(step=5, base=base(), adapter=adapter(5))
+    with jaxckpt.CheckpointManager(ckpt, s3, max_to_keep=2, step_counter="step") as manager:
+        for step in (6, 7):
+            ckpt.step, ckpt.adapter = step, adapter(step)
+            manager.save()
+        manager.wait_until_finished()
+    assert not keys(f"{s3}/ckpt-1")
+    expect_restores(f"{s3}/ckpt-7", frozen, 7)
+
+
+def test_a_restart_refers_to_what_the_restore_returned(s3):
+    frozen, _ = run(s3, 2)
+    ckpt = jaxckpt.Checkpoint(step=0, base=base(), adapter=adapter(0))
+    with jaxckpt.CheckpointManager(ckpt, s3, max_to_keep=3, step_counter="step") as manager:
+        manager.restore_or_initialize()
+        ckpt.step, ckpt.adapter = 3, adapter(3)
+        manager.save()
+        manager.wait_until_finished()
+    path = f"{s3}/ckpt-3"
+    refs = _refs.decode(_storage.read_file(_storage.location(path), "data/refs.json"), "", None)
+    assert {r.checkpoint for r in refs.values()} == {"ckpt-1"}  # the holder, not ckpt-2 that referred to it
+    expect_restores(path, frozen, 3)
+
+
+def test_delete_of_the_last_user_forgets_and_writes_again(s3):
+    frozen = base()
+    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
+    with jaxckpt.CheckpointManager(ckpt, s3, max_to_keep=3, step_counter="step") as manager:
+        ckpt.step = 1
+        manager.save()
+        manager.delete(1)
+        ckpt.step, ckpt.adapter = 2, adapter(2)
+        manager.save()
+        manager.wait_until_finished()
+    assert index_of(f"{s3}/ckpt-2")["version"] == 5
+    assert not keys(f"{s3}/ckpt-1")
+    expect_restores(f"{s3}/ckpt-2", frozen, 2)
+
+
+def test_incremental_false_and_one_off_saves_write_everything(s3):
+    run(f"{s3}/off", 2, incremental=False)
+    assert index_of(f"{s3}/off/ckpt-2")["version"] == 5
+    tree = {"w": base()["w1"]}
+    jaxckpt.save(f"{s3}/one/a", tree)
+    jaxckpt.save(f"{s3}/one/b", tree)
+    assert index_of(f"{s3}/one/b")["version"] == 5
+
+
+def _rewrite_refs(path: str, change) -> None:
+    location = _storage.location(path)
+    data = _storage.read_file(location, "data/refs.json")
+    body = json.loads(data)
+    body.pop("checksum")
+    change(body)
+    from jaxckpt._checked_json import checksummed_json
+
+    _kvstore.kv_write(location.spec(), "data/refs.json", checksummed_json(body))
+
+
+@pytest.mark.parametrize(
+    "name", ["../elsewhere", "/abs", "a/b", "..", ".", ""], ids=["dotdot", "absolute", "slash", "up", "dot", "empty"]
+)
+def test_a_reference_to_anything_but_a_plain_sibling_is_refused(s3, name):
+    run(s3, 2)
+
+    def change(body):
+        for entry in body["arrays"].values():
+            entry["checkpoint"] = name
+
+    _rewrite_refs(f"{s3}/ckpt-2", change)
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="not a reference"):
+        jaxckpt.restore(f"{s3}/ckpt-2")
+
+
+def test_a_missing_referenced_checkpoint_names_the_key_and_both_checkpoints(s3):
+    run(s3, 2)
+    _storage.delete_tree(_storage.location(f"{s3}/ckpt-1"))
+    with pytest.raises(jaxckpt.CheckpointCorruptedError) as e:
+        jaxckpt.restore(f"{s3}/ckpt-2")
+    assert "ckpt-2" in str(e.value) and "ckpt-1" in str(e.value) and "base/" in str(e.value)
+
+
+def test_a_reference_to_another_save_or_other_crcs_is_refused(s3):
+    run(s3, 2)
+
+    def other_save(body):
+        for entry in body["arrays"].values():
+            entry["save"] = "ab" * 8
+
+    _rewrite_refs(f"{s3}/ckpt-2", other_save)
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="not by save"):
+        jaxckpt.restore(f"{s3}/ckpt-2")
+
+
+def test_other_crcs_are_refused(s3):
+    run(s3, 2)
+
+    def other_crcs(body):
+        for entry in body["arrays"].values():
+            for crcs in entry["shards"].values():
+                crcs[0] ^= 1
+
+    _rewrite_refs(f"{s3}/ckpt-2", other_crcs)
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="other data"):
+        jaxckpt.restore(f"{s3}/ckpt-2")
+
+
+def test_a_referenced_array_of_another_shape_is_refused(s3):
+    """The referenced array's zarr.json must say what the referencing index says."""
+    run(s3, 2)
+    location = _storage.location(f"{s3}/ckpt-1")
+    array = index_of(f"{s3}/ckpt-1")["leaves"]["base/w1"]["at"]["array"]
+    meta = json.loads(_storage.read_file(location, f"data/{array}/zarr.json"))
+    meta["shape"] = [768, 1024]
+    _kvstore.kv_write(location.spec(), f"data/{array}/zarr.json", json.dumps(meta).encode())
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="ckpt-1"):
+        jaxckpt.restore(f"{s3}/ckpt-2")
+
+
+def test_a_format_5_reader_refuses_version_6_clearly(s3, monkeypatch):
+    from jaxckpt import _index_json
+
+    run(s3, 2)
+    monkeypatch.setattr(_index_json, "FORMAT_VERSION", 5)
+    with pytest.raises(jaxckpt.JaxckptError, match="format version 6; this jaxckpt reads versions up to 5"):
+        jaxckpt.restore(f"{s3}/ckpt-2")
