@@ -196,7 +196,10 @@ class Deleter:
     def _run(self, hidden: list[tuple[str, _storage.Location]], users: Mapping[str, Sequence[str]]) -> None:
         for name, target in hidden:
             try:
-                _erase(target, [self._folder / u for u in users.get(name, ())])
+                if users.get(name):  # kept checkpoints use some of its data: that stays (held)
+                    _erase(target, [self._folder / u for u in users[name]])
+                else:
+                    _erase(target)
             except (OSError, JaxckptError) as e:  # not listed any more, so the next manager removes it
                 self._failed(name, e)
             finally:
@@ -255,7 +258,7 @@ def remove_checkpoint(path: _storage.Location, users: Sequence[_storage.Location
 def _remove_tree(path: _storage.Location, users: Sequence[_storage.Location] = ()) -> None:
     target = _hide(path)
     if target is not None:
-        _erase(target, users)
+        _erase(target, users) if users else _erase(target)
 
 
 def _hide(path: _storage.Location) -> _storage.Location | None:

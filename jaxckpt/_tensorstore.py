@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _checksums, _kvstore, _zarr_local, _zarr_meta, _zarr_write
+from jaxckpt import _checksums, _kvstore, _refs_json, _zarr_local, _zarr_meta, _zarr_write
 from jaxckpt._errors import JaxckptError, StorageError
 from jaxckpt._format import CHECKSUMS_FILE
 from jaxckpt._in_flight import WRITE_AHEAD_BYTES, InFlight
@@ -195,9 +195,7 @@ class Writer:
         if self._checksums:
             _kvstore.kv_write(self._base, CHECKSUMS_FILE, _checksums.encode(save, self._checksums))
         if self.refs:
-            from jaxckpt import _refs  # which reads through this module
-
-            _kvstore.kv_write(self._base, _refs.REFS_FILE, _refs.encode(save, self.refs))
+            _kvstore.kv_write(self._base, _refs_json.REFS_FILE, _refs_json.encode(save, self.refs))
 
     @property
     def local(self) -> bool:
