@@ -4,6 +4,7 @@ held data kept while a kept checkpoint uses it, and hostile references refused."
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -216,3 +217,46 @@ def test_a_format_5_reader_refuses_version_6_clearly(s3, monkeypatch):
     monkeypatch.setattr(_index_json, "FORMAT_VERSION", 5)
     with pytest.raises(jaxckpt.JaxckptError, match="format version 6; this jaxckpt reads versions up to 5"):
         jaxckpt.restore(f"{s3}/ckpt-2")
+
+
+@pytest.mark.parametrize("after", [0, 1, 2, 4, 8, 16])
+def test_a_deletion_of_shared_data_cut_short_anywhere_loses_nothing(s3, monkeypatch, after):
+    """Retention's deletions stop (as a crash would) after ``after`` object deletions; a manager started
+    next finishes them: every kept checkpoint restores, held data stays, the rest goes."""
+    frozen = base()
+    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
+    manager = jaxckpt.CheckpointManager(ckpt, s3, max_to_keep=2, step_counter="step")
+    for step in (1, 2):
+        ckpt.step, ckpt.adapter = step, adapter(step)
+        manager.save()
+    manager.wait_until_finished()
+    real, real_all, count = _kvstore.kv_delete, _kvstore.kv_delete_all, [0]
+
+    def failing(base, key):
+        if base["path"].rstrip("/").rsplit("/", 1)[-1] in ("ckpt-1", "ckpt-2"):  # the dropped ones
+            count[0] += 1
+            if count[0] > after:
+                raise jaxckpt.StorageError("cut short", 5)
+        return real(base, key) if key else real_all(base)
+
+    monkeypatch.setattr(_kvstore, "kv_delete", failing)
+    monkeypatch.setattr(_kvstore, "kv_delete_all", lambda base: failing(base, ""))
+    for step in (3, 4):
+        ckpt.step, ckpt.adapter = step, adapter(step)
+        manager.save()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            manager.close()
+        except jaxckpt.StorageError:
+            pass  # the deletions' failure: what the next manager cleans up
+    monkeypatch.setattr(_kvstore, "kv_delete", real)
+    monkeypatch.setattr(_kvstore, "kv_delete_all", real_all)
+    restarted = jaxckpt.CheckpointManager(jaxckpt.Checkpoint(), s3, max_to_keep=2)  # its start-up cleans up
+    assert [p.rsplit("/", 1)[1] for p in restarted.checkpoints] == ["ckpt-3", "ckpt-4"]
+    restarted.close()
+    for step in (3, 4):
+        expect_restores(f"{s3}/ckpt-{step}", frozen, step)
+    held = keys(f"{s3}/ckpt-1")
+    assert "index.json" not in held and not any(k.startswith("data/p/") for k in held)
+    assert not keys(f"{s3}/ckpt-2")
