@@ -233,6 +233,7 @@ def _prepare(
     try:
         limit = host_memory_budget() if budget is None else budget
         writer = _tensorstore.Writer((staging / data_store(me)).spec())
+        writer.incremental = isinstance(memory, BucketMemory)  # the same in every process: array numbers agree
         records = _Records(writer, me, limit, staging if own_copy else None)
         if not writer.local:  # an object store: packs sized by the data (see _tensorstore.pack_target)
             records.packer.target = _pack_target(flat, writer.pack_leaf_limit)

@@ -54,6 +54,11 @@ PACK_TARGET_BYTES = 256 << 20
 # An array of its own costs its zarr.json and a shard: two objects, each over 64 MiB on average from
 # here. Local disks keep PACK_LEAF_LIMIT, where files are cheap and each array is written in place.
 BUCKET_PACK_LEAF_LIMIT = 128 << 20
+# A manager's incremental saves on a bucket store an unchanged array by reference (jaxckpt._refs),
+# which only an array of its own can be: there leaves over this go to arrays of their own, so that a
+# frozen base of 8-128 MiB weight matrices (most models) is uploaded once. Below it, an object per
+# array costs more in requests than uploading it again does.
+INCREMENTAL_BUCKET_PACK_LEAF_LIMIT = 8 << 20
 # On object stores packs are no smaller than this, so that several upload at once (see pack_target).
 BUCKET_PACK_MIN_BYTES = 64 << 20
 # Byte alignment of leaves inside a pack, as of the buffers read into: on CPU, jax aliases a
@@ -181,6 +186,7 @@ class Writer:
         self._checksums: _checksums.Written = {}
         # Arrays stored by reference to a sibling checkpoint (buckets; see jaxckpt._refs): path -> Ref.
         self.refs: dict[str, Any] = {}
+        self.incremental = False  # a manager's incremental save (see INCREMENTAL_BUCKET_PACK_LEAF_LIMIT)
 
     @property
     def checksums(self) -> _checksums.Written:
@@ -205,7 +211,13 @@ class Writer:
     @property
     def pack_leaf_limit(self) -> int:
         """Leaves of up to this many bytes that process 0 holds go to packs (see BUCKET_PACK_LEAF_LIMIT)."""
-        return PACK_LEAF_LIMIT if self._local is not None else BUCKET_PACK_LEAF_LIMIT
+        if self._local is not None:
+            return PACK_LEAF_LIMIT
+        return (
+            min(BUCKET_PACK_LEAF_LIMIT, INCREMENTAL_BUCKET_PACK_LEAF_LIMIT)
+            if self.incremental
+            else BUCKET_PACK_LEAF_LIMIT
+        )
 
     def stored_dtype(self, dtype: np.dtype) -> str:
         """The zarr data type this writer stores an array of ``dtype`` as (see :func:`stored_dtype`)."""

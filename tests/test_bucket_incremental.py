@@ -260,3 +260,22 @@ def test_a_deletion_of_shared_data_cut_short_anywhere_loses_nothing(s3, monkeypa
     held = keys(f"{s3}/ckpt-1")
     assert "index.json" not in held and not any(k.startswith("data/p/") for k in held)
     assert not keys(f"{s3}/ckpt-2")
+
+
+def test_arrays_between_8_and_128_mib_are_arrays_of_their_own_in_incremental_bucket_saves(s3, monkeypatch):
+    """Without incremental saves a bucket packs leaves up to 128 MiB: no weight matrix of most models
+    could be referred to. An incremental manager's saves pack only leaves up to 8 MiB."""
+    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", 128 << 20)  # the real limit
+    frozen = {"w": jnp.full((3 << 20,), 2.0, jnp.float32)}  # 12 MiB
+    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, small=jnp.zeros(1 << 20))  # 4 MiB: packed
+    with jaxckpt.CheckpointManager(ckpt, s3, max_to_keep=2, step_counter="step") as manager:
+        for step in (1, 2):
+            ckpt.step, ckpt.small = step, jnp.full(1 << 20, float(step))
+            manager.save()
+        manager.wait_until_finished()
+    at = index_of(f"{s3}/ckpt-2")["leaves"]
+    assert "array" in at["base/w"]["at"] and "pack" in at["small"]["at"]
+    assert not any(k.startswith("data/a/") for k in keys(f"{s3}/ckpt-2"))
+    np.testing.assert_array_equal(np.asarray(jaxckpt.restore(f"{s3}/ckpt-2")["base"]["w"]), np.asarray(frozen["w"]))
+    jaxckpt.save(f"{s3}/one-off", {"w": frozen["w"]})
+    assert "pack" in index_of(f"{s3}/one-off")["leaves"]["w"]["at"]  # one-off saves unchanged
