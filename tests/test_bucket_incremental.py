@@ -279,3 +279,19 @@ def test_arrays_between_8_and_128_mib_are_arrays_of_their_own_in_incremental_buc
     np.testing.assert_array_equal(np.asarray(jaxckpt.restore(f"{s3}/ckpt-2")["base"]["w"]), np.asarray(frozen["w"]))
     jaxckpt.save(f"{s3}/one-off", {"w": frozen["w"]})
     assert "pack" in index_of(f"{s3}/one-off")["leaves"]["w"]["at"]  # one-off saves unchanged
+
+
+def test_an_adopted_checkpoint_keeps_the_data_it_refers_to(s3):
+    """A bucket save that published but was not listed yet (killed in between) is adopted by the next
+    manager: what it refers to must stay held when retention drops the checkpoint that holds it."""
+    frozen, _ = run(s3, 2)
+    from jaxckpt import _statefile
+
+    folder = _storage.location(s3)
+    infos = _statefile.read_state(s3)
+    _statefile.write_state(folder, infos[:1])  # as if killed before the state file listed ckpt-2
+    manager = jaxckpt.CheckpointManager(jaxckpt.Checkpoint(), s3, max_to_keep=3)
+    assert [c.uses for c in manager.checkpoint_infos] == [(), ("ckpt-1",)]
+    manager.delete(1)
+    manager.close()
+    expect_restores(f"{s3}/ckpt-2", frozen, 2)
