@@ -184,6 +184,20 @@ def deletions(old: Sequence[CheckpointInfo], kept: Sequence[CheckpointInfo]) -> 
     return out
 
 
+def uses_of(checkpoint: _storage.Location) -> tuple[str, ...]:
+    """The siblings whose data the checkpoint at ``checkpoint`` refers to, from its data stores'
+    ``refs.json`` (for a checkpoint that a manager adopts: the state file did not list it yet)."""
+    names: set[str] = set()
+    for store in _storage.children(checkpoint):
+        if STORE.fullmatch(store):
+            data = _storage.read_file(checkpoint, f"{store}/{REFS_FILE}", READ_LIMIT)
+            if data is not None:
+                names.update(
+                    r.checkpoint for r in decode(data, repr(str(checkpoint / store / REFS_FILE)), None).values()
+                )
+    return tuple(sorted(names))
+
+
 def prune(target: _storage.Location, users: Sequence[_storage.Location]) -> None:
     """Remove every object of ``target`` (no longer a checkpoint: its index is gone) but the arrays
     that ``users`` refer to and their data stores' checksums. A user's references that cannot be
