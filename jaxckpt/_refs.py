@@ -32,7 +32,8 @@ from typing import Any, NamedTuple
 from jaxckpt import _kvstore, _multihost, _storage, _tensorstore_read
 from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, JaxckptError
-from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray
+from jaxckpt._format import CHECKSUMS_FILE, INDEX_FILE, ArrayLeaf, InArray
+from jaxckpt._index_json import decode_index
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._refs_json import REFS_FILE, STORE, Ref, decode
 from jaxckpt._tree import describe
@@ -182,6 +183,34 @@ def deletions(old: Sequence[CheckpointInfo], kept: Sequence[CheckpointInfo]) -> 
         if c not in kept:
             out.update((u, users(u)) for u in c.uses if u not in listed and u not in out)
     return out
+
+
+def bucket_usage(checkpoint: _storage.Location) -> tuple[int | None, int | None, dict[Any, int]]:
+    """A checkpoint in an object store: the bytes its index records (its own and the arrays it holds
+    or refers to: a listing there has no sizes, and asking each object is a request per object),
+    those of the arrays it refers to, and those arrays by (checkpoint, store, array) -> bytes; None,
+    None and nothing if it has no index (or one that does not parse)."""
+    try:
+        raw = _storage.read_file(checkpoint, INDEX_FILE, _storage.INDEX_READ_LIMIT)
+        if raw is None:
+            return None, None, {}
+        index = decode_index(raw, repr(str(checkpoint / INDEX_FILE)))
+        arrays = {
+            x.at.path: x.nbytes for x in index.leaves.values() if isinstance(x, ArrayLeaf) and isinstance(x.at, InArray)
+        }
+        total = len(raw) + sum(leaf.nbytes for leaf in index.leaves.values() if isinstance(leaf, ArrayLeaf))
+        referred: dict[Any, int] = {}
+        for store in _storage.children(checkpoint) if index.refs else ():
+            data = (
+                _storage.read_file(checkpoint, f"{store}/{REFS_FILE}", READ_LIMIT) if STORE.fullmatch(store) else None
+            )
+            for path, r in (decode(data, repr(str(checkpoint / store)), index.save) if data else {}).items():
+                referred[(r.checkpoint, r.store, r.array)] = arrays.get(
+                    path, 0
+                )  # this store's part: all of it, one process
+    except JaxckptError:
+        return None, None, {}
+    return total, sum(referred.values()), referred
 
 
 def uses_of(checkpoint: _storage.Location) -> tuple[str, ...]:

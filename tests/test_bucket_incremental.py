@@ -295,3 +295,33 @@ def test_an_adopted_checkpoint_keeps_the_data_it_refers_to(s3):
     manager.delete(1)
     manager.close()
     expect_restores(f"{s3}/ckpt-2", frozen, 2)
+
+
+def test_damage_to_referenced_data_is_found_in_every_checkpoint_that_uses_it(s3, capsys):
+    from jaxckpt import _cli
+
+    _, paths = run(s3, 3)
+    array = index_of(paths[0])["leaves"]["base/w1"]["at"]["array"]
+    location = _storage.location(paths[0])
+    shard = next(k for k in keys(paths[0]) if k.startswith(f"data/{array}/c/"))
+    data = bytearray(_storage.read_file(location, shard, 1 << 30))
+    data[100] ^= 0x10
+    _kvstore.kv_write(location.spec(), shard, bytes(data))
+    assert _cli.main(["verify", "--json", s3]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [r["path"] for r in report if not r["ok"]] == paths
+    assert all([d["key"] for d in r["damaged"]] == ["base/w1"] for r in report)
+
+
+def test_ls_tells_what_each_bucket_checkpoint_refers_to(s3, capsys):
+    from jaxckpt import _cli
+
+    run(s3, 3)
+    doc = jaxckpt.inspect(s3).to_json()
+    shared = [c["shared_bytes"] for c in doc["checkpoints"]]
+    sizes = [c["disk_bytes"] for c in doc["checkpoints"]]
+    base_bytes = 1024 * 512 * 4 + 1536 * 512 * 2
+    assert shared == [0, base_bytes, base_bytes]  # ckpt-1 holds the base; the others refer to it
+    assert doc["unique_bytes"] == sum(sizes) - 2 * base_bytes
+    assert _cli.main(["ls", s3]) == 0
+    assert capsys.readouterr().out.count("shared") >= 2
