@@ -328,8 +328,6 @@ class RetentionCalls:
         step = operator.index(step)
         self._check_writable("delete")
         self._background.wait()
-        if hasattr(self._memory, "forget"):  # on a bucket it may have referred to what is deleted now
-            self._memory.forget()
         if self._drop_step(step):
             self._forget_last_step(step)
         else:
@@ -358,6 +356,10 @@ class RetentionCalls:
             kept = [c for c in self._infos if c.step != step or not self._own(c)]
             if len(kept) == len(self._infos):
                 return False
+            for memory in (self._memory, getattr(self, "_copy_memory", None)):  # they may refer to it (buckets)
+                forget = getattr(memory, "forget", None)
+                if forget is not None:
+                    forget()
             if self._primary:
                 self._keep_only(kept)
             else:

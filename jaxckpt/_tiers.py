@@ -63,7 +63,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _copy, _incremental, _local_tree, _multihost, _statefile, _storage
+from jaxckpt import _copy, _copy_memory, _incremental, _local_tree, _multihost, _refs, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._caller import caller_level
 from jaxckpt._checkpoint import Checkpoint
@@ -152,6 +152,7 @@ class TwoTiers(OneTier):
         self._copies = itertools.count()  # numbers the copies alike on every process (the copy thread)
         self._restores = itertools.count()  # numbers the restores' agreements alike (the caller's thread)
         self.copied: list[str] = []  # durable paths copied by this manager, oldest first
+        self._copy_memory = _copy_memory.CopyMemory() if incremental else None  # what the last copy put where
         if not options.read_only:
             # Only process 0 writes in the durable directory, which it owns: its start-up removes the
             # temp files there that it finds, and the file would name each process's local tier in turn.
@@ -256,9 +257,11 @@ class TwoTiers(OneTier):
         durable = dataclasses.replace(info, path=os.path.join(self._directory, name))
         if any(c.path == durable.path for c in self._infos):
             return  # already there (a restart that saved the same step again)
-        if not _storage.is_checkpoint(self._path / name):
-            _copy.copy_checkpoint(source, self._path / name, tag=tag)
-        self._record(durable, tag)
+        if not _storage.is_checkpoint(self._path / name):  # only what the durable tier lacks (_copy_memory)
+            uses = _copy.copy_checkpoint(source, self._path / name, tag=tag, memory=self._copy_memory)
+        else:
+            uses = _refs.uses_of(self._path / name) if self._path.local is None else ()
+        self._record(dataclasses.replace(durable, uses=uses), tag)
         self.copied.append(durable.path)
 
     def _report_failed_copy(self) -> None:

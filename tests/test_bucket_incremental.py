@@ -325,3 +325,44 @@ def test_ls_tells_what_each_bucket_checkpoint_refers_to(s3, capsys):
     assert doc["unique_bytes"] == sum(sizes) - 2 * base_bytes
     assert _cli.main(["ls", s3]) == 0
     assert capsys.readouterr().out.count("shared") >= 2
+
+
+def test_two_tiers_upload_only_what_the_bucket_lacks(s3, tmp_path):
+    frozen = base()
+    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
+    local = tmp_path / "local"
+    with jaxckpt.CheckpointManager(ckpt, s3, step_counter="step", local_directory=local, max_to_keep=2) as manager:
+        for step in (1, 2, 3):
+            ckpt.step, ckpt.adapter = step, adapter(step)
+            manager.save()
+            manager.wait_until_finished()  # each copied (one queued behind a running copy may be skipped)
+        infos = manager.checkpoint_infos
+    assert [(c.path.rsplit("/", 1)[1], c.uses) for c in infos] == [("ckpt-2", ("ckpt-1",)), ("ckpt-3", ("ckpt-1",))]
+    for info in infos:
+        if info.uses:
+            assert index_of(info.path)["version"] == 6
+            assert len({k.split("/")[2] for k in keys(info.path) if k.startswith("data/a/")}) == 1  # the adapter's
+        expect_restores(info.path, frozen, info.step)
+    if not any(c.path.endswith("ckpt-1") for c in infos):  # dropped: held for the kept ones
+        assert "index.json" not in keys(f"{s3}/ckpt-1") and keys(f"{s3}/ckpt-1")
+
+
+def test_two_tiers_to_a_local_folder_hard_link_what_the_durable_tier_holds(tmp_path):
+    from pathlib import Path
+
+    frozen = base()
+    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
+    durable = tmp_path / "durable"
+    with jaxckpt.CheckpointManager(ckpt, durable, step_counter="step", local_directory=tmp_path / "local") as manager:
+        for step in (1, 2):
+            ckpt.step, ckpt.adapter = step, adapter(step)
+            manager.save()
+        manager.wait_until_finished()
+
+    def inodes(path, key):
+        array = json.loads(Path(path, "index.json").read_text())["leaves"][key]["at"]["array"]
+        return {p.stat().st_ino for p in Path(path, "data", array, "c").rglob("*") if p.is_file()}
+
+    assert inodes(durable / "ckpt-1", "base/w0") == inodes(durable / "ckpt-2", "base/w0")
+    assert inodes(durable / "ckpt-1", "adapter") != inodes(durable / "ckpt-2", "adapter")
+    expect_restores(str(durable / "ckpt-2"), frozen, 2)
