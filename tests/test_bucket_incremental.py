@@ -1,4 +1,4 @@
-"""Incremental checkpoints on buckets: unchanged arrays stored by reference (format 6, jaxckpt._refs),
+"""Incremental checkpoints on buckets (s3:// on moto; the main cases on gs:// too, the ``bucket`` fixture): unchanged arrays stored by reference (format 6, jaxckpt._refs),
 held data kept while a kept checkpoint uses it, and hostile references refused."""
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def run(directory: str, steps: int, *, keep: int = 3, frozen=None, **options):
         return frozen, manager.checkpoints
 
 
-def test_unchanged_arrays_are_stored_by_reference(s3):
-    frozen, paths = run(s3, 3)
+def test_unchanged_arrays_are_stored_by_reference(bucket):
+    frozen, paths = run(bucket, 3)
     first, *later = paths
     assert index_of(first)["version"] == 5  # nothing referred to: readable by format-5 readers
     for path in later:
@@ -75,41 +75,41 @@ def test_unchanged_arrays_are_stored_by_reference(s3):
         assert len(arrays) == 1  # the adapter's only
     for step, path in enumerate(paths, start=1):
         expect_restores(path, frozen, step)
-    state = json.loads(_storage.read_file(_storage.location(s3), "checkpoint"))
+    state = json.loads(_storage.read_file(_storage.location(bucket), "checkpoint"))
     assert [c.get("uses", []) for c in state["checkpoints"]] == [[], ["ckpt-1"], ["ckpt-1"]]
 
 
-def test_retention_holds_referenced_data_and_frees_it_when_unused(s3):
-    frozen, paths = run(s3, 5, keep=2)
+def test_retention_holds_referenced_data_and_frees_it_when_unused(bucket):
+    frozen, paths = run(bucket, 5, keep=2)
     assert [p.rsplit("/", 1)[1] for p in paths] == ["ckpt-4", "ckpt-5"]
-    held = keys(f"{s3}/ckpt-1")
+    held = keys(f"{bucket}/ckpt-1")
     assert "index.json" not in held and "data/checksums.json" in held
     assert not any(k.startswith("data/p/") for k in held)  # its adapter pack and all else went
-    assert not _storage.children(_storage.location(f"{s3}/ckpt-2"))  # used nothing of its own
+    assert not _storage.children(_storage.location(f"{bucket}/ckpt-2"))  # used nothing of its own
     for step, path in zip((4, 5), paths):
         expect_restores(path, frozen, step)
     # A new base: the next saves write it, and once no kept checkpoint uses ckpt-1, it goes.
-    run(s3, 0)  # a manager start-up keeps held data that kept checkpoints use
-    assert keys(f"{s3}/ckpt-1") == held
+    run(bucket, 0)  # a manager start-up keeps held data that kept checkpoints use
+    assert keys(f"{bucket}/ckpt-1") == held
     ckpt = jaxckpt.Checkpoint(step=5, base=base(), adapter=adapter(5))
-    with jaxckpt.CheckpointManager(ckpt, s3, max_to_keep=2, step_counter="step") as manager:
+    with jaxckpt.CheckpointManager(ckpt, bucket, max_to_keep=2, step_counter="step") as manager:
         for step in (6, 7):
             ckpt.step, ckpt.adapter = step, adapter(step)
             manager.save()
         manager.wait_until_finished()
-    assert not keys(f"{s3}/ckpt-1")
-    expect_restores(f"{s3}/ckpt-7", frozen, 7)
+    assert not keys(f"{bucket}/ckpt-1")
+    expect_restores(f"{bucket}/ckpt-7", frozen, 7)
 
 
-def test_a_restart_refers_to_what_the_restore_returned(s3):
-    frozen, _ = run(s3, 2)
+def test_a_restart_refers_to_what_the_restore_returned(bucket):
+    frozen, _ = run(bucket, 2)
     ckpt = jaxckpt.Checkpoint(step=0, base=base(), adapter=adapter(0))
-    with jaxckpt.CheckpointManager(ckpt, s3, max_to_keep=3, step_counter="step") as manager:
+    with jaxckpt.CheckpointManager(ckpt, bucket, max_to_keep=3, step_counter="step") as manager:
         manager.restore_or_initialize()
         ckpt.step, ckpt.adapter = 3, adapter(3)
         manager.save()
         manager.wait_until_finished()
-    path = f"{s3}/ckpt-3"
+    path = f"{bucket}/ckpt-3"
     refs = _refs.decode(_storage.read_file(_storage.location(path), "data/refs.json"), "", None)
     assert {r.checkpoint for r in refs.values()} == {"ckpt-1"}  # the holder, not ckpt-2 that referred to it
     expect_restores(path, frozen, 3)
@@ -165,11 +165,11 @@ def test_a_reference_to_anything_but_a_plain_sibling_is_refused(s3, name):
         jaxckpt.restore(f"{s3}/ckpt-2")
 
 
-def test_a_missing_referenced_checkpoint_names_the_key_and_both_checkpoints(s3):
-    run(s3, 2)
-    _storage.delete_tree(_storage.location(f"{s3}/ckpt-1"))
+def test_a_missing_referenced_checkpoint_names_the_key_and_both_checkpoints(bucket):
+    run(bucket, 2)
+    _storage.delete_tree(_storage.location(f"{bucket}/ckpt-1"))
     with pytest.raises(jaxckpt.CheckpointCorruptedError) as e:
-        jaxckpt.restore(f"{s3}/ckpt-2")
+        jaxckpt.restore(f"{bucket}/ckpt-2")
     assert "ckpt-2" in str(e.value) and "ckpt-1" in str(e.value) and "base/" in str(e.value)
 
 
@@ -241,11 +241,11 @@ def test_a_deletion_of_shared_data_cut_short_anywhere_loses_nothing(s3, monkeypa
 
     monkeypatch.setattr(_kvstore, "kv_delete", failing)
     monkeypatch.setattr(_kvstore, "kv_delete_all", lambda base: failing(base, ""))
-    for step in (3, 4):
-        ckpt.step, ckpt.adapter = step, adapter(step)
-        manager.save()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # the deletions' failures are reported: the next manager cleans up
         warnings.simplefilter("ignore")
+        for step in (3, 4):
+            ckpt.step, ckpt.adapter = step, adapter(step)
+            manager.save()
         try:
             manager.close()
         except jaxckpt.StorageError:
@@ -327,11 +327,11 @@ def test_ls_tells_what_each_bucket_checkpoint_refers_to(s3, capsys):
     assert capsys.readouterr().out.count("shared") >= 2
 
 
-def test_two_tiers_upload_only_what_the_bucket_lacks(s3, tmp_path):
+def test_two_tiers_upload_only_what_the_bucket_lacks(bucket, tmp_path):
     frozen = base()
     ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
     local = tmp_path / "local"
-    with jaxckpt.CheckpointManager(ckpt, s3, step_counter="step", local_directory=local, max_to_keep=2) as manager:
+    with jaxckpt.CheckpointManager(ckpt, bucket, step_counter="step", local_directory=local, max_to_keep=2) as manager:
         for step in (1, 2, 3):
             ckpt.step, ckpt.adapter = step, adapter(step)
             manager.save()
@@ -344,7 +344,7 @@ def test_two_tiers_upload_only_what_the_bucket_lacks(s3, tmp_path):
             assert len({k.split("/")[2] for k in keys(info.path) if k.startswith("data/a/")}) == 1  # the adapter's
         expect_restores(info.path, frozen, info.step)
     if not any(c.path.endswith("ckpt-1") for c in infos):  # dropped: held for the kept ones
-        assert "index.json" not in keys(f"{s3}/ckpt-1") and keys(f"{s3}/ckpt-1")
+        assert "index.json" not in keys(f"{bucket}/ckpt-1") and keys(f"{bucket}/ckpt-1")
 
 
 def test_two_tiers_to_a_local_folder_hard_link_what_the_durable_tier_holds(tmp_path):
