@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
         "save_time_later_vs_full": round(inc["save_s_median_later"] / full["save_s_median_later"], 4),
     }
     out = {
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "args": vars(args),
         "summary": summary,
         "results": results,
