@@ -366,3 +366,15 @@ def test_two_tiers_to_a_local_folder_hard_link_what_the_durable_tier_holds(tmp_p
     assert inodes(durable / "ckpt-1", "base/w0") == inodes(durable / "ckpt-2", "base/w0")
     assert inodes(durable / "ckpt-1", "adapter") != inodes(durable / "ckpt-2", "adapter")
     expect_restores(str(durable / "ckpt-2"), frozen, 2)
+
+
+def test_a_manager_prefix_copied_to_a_local_folder_reads_as_in_the_bucket(s3, tmp_path):
+    """Copied whole (as ``gsutil cp -r`` would), the references resolve among the local siblings."""
+    frozen, _ = run(s3, 3, keep=2)
+    base = _storage.location(s3).spec()
+    for key in _kvstore.kv_keys(base):
+        target = tmp_path / "copy" / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(_kvstore.kv_read(base, key))
+    for step in (2, 3):
+        expect_restores(str(tmp_path / "copy" / f"ckpt-{step}"), frozen, step)
