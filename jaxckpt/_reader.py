@@ -263,6 +263,8 @@ class Opened:
             return
         # A crafted shard shape of all 1s claims no more values, but a million files.
         sharded = self.index.version >= 4
+        # Version 6: an array a store refers to is in a sibling's store, whose files are checked as read.
+        refs = {s: self._reader_of(s).refs() for s in stores} if self.index.refs else {}
         claims: dict[str, int] = defaultdict(int)
         overhead: dict[str, int] = defaultdict(int)
         largest: dict[str, tuple[int, str]] = {}
@@ -292,6 +294,10 @@ class Opened:
                         boxes.update((s, b) for s, b in _format.regions(at, leaf.shape).items() if s in stores)
                 if sharded:
                     extra = {s: files_overhead(at, leaf.dtype.itemsize, b) for s, b in boxes.items()}
+                if refs:
+                    parts, extra = (
+                        {s: n for s, n in d.items() if at.path not in refs.get(s, {})} for d in (parts, extra)
+                    )
             else:
                 parts = {DATA_DIR: leaf.nbytes}
                 if sharded and at.pack not in packs:  # its pack's index, once
