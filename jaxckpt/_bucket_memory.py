@@ -31,7 +31,8 @@ from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import JaxckptError
 from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray, data_store
 from jaxckpt._incremental import Linked, Memory
-from jaxckpt._refs import READ_LIMIT, REFS_FILE, Ref, decode, names_used, parent
+from jaxckpt._refs import READ_LIMIT, names_used, parent
+from jaxckpt._refs_json import REFS_FILE, Ref, decode
 from jaxckpt._snapshot import owners, process_of
 from jaxckpt._zarr_local import shards_in
 from jaxckpt._zarr_meta import shard_number

@@ -25,7 +25,8 @@ from typing import Any
 from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import JaxckptError
 from jaxckpt._format import CHECKSUMS_FILE
-from jaxckpt._refs import READ_LIMIT, STORE, Ref
+from jaxckpt._refs import READ_LIMIT
+from jaxckpt._refs_json import STORE, Ref
 from jaxckpt._storage import Location, read_file
 
 _Key = tuple[tuple[str, int, int], ...]  # an array's shard files: (chunk key, device, inode), sorted
