@@ -12,7 +12,9 @@ Adam state (mu, nu of each), replaced at every step; a ``CheckpointManager(max_t
 async_save=False)`` saves at every step. Per step: the **save time** (``save()`` then
 ``wait_until_finished()``), the **bytes uploaded** (the bytes of the objects under the new
 checkpoint's prefix: references are not objects of it), and at the end the **bytes in the bucket**
-under the run's prefix (held data included). moto keeps objects in memory, on the same machine: the
+under the run's prefix (held data included). Then a **restart**: a new manager over a ``Checkpoint``
+of ``ShapeDtypeStruct`` templates restores the latest checkpoint and saves once more (the save right
+after a restart, which refers to the restored base). moto keeps objects in memory, on the same machine: the
 times are those of a loopback server, not of a cloud bucket. Writes benchmarks/incremental_bucket.json.
 """
 
@@ -63,12 +65,24 @@ def run(directory: str, *, incremental: bool, side: int, leaves: int, steps: int
             manager.wait_until_finished()
             times.append(time.perf_counter() - start)
             uploaded.append(objects_bytes(f"{directory}/ckpt-{step}"))
-    return {
+    out = {
         "save_s": times,
         "uploaded_bytes": uploaded,
         "bucket_bytes": objects_bytes(directory),
         "base_bytes": leaves * side * side * 4,
     }
+    if incremental:  # a restart: a new manager restores the base (templates) and saves once more
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), {"base": base, "lora": lora(0.0)})
+        fresh = jaxckpt.Checkpoint(step=0, base=like["base"], lora=like["lora"])
+        with jaxckpt.CheckpointManager(fresh, directory, **options) as manager:
+            manager.restore_or_initialize()
+            fresh.step, fresh.lora = steps + 1, jax.block_until_ready(lora(float(steps + 1)))
+            start = time.perf_counter()
+            manager.save()
+            manager.wait_until_finished()
+            out["restart_save_s"] = time.perf_counter() - start
+            out["restart_uploaded_bytes"] = objects_bytes(f"{directory}/ckpt-{steps + 1}")
+    return out
 
 
 def main(argv: list[str]) -> None:
@@ -103,6 +117,9 @@ def main(argv: list[str]) -> None:
             "uploaded_MiB_median_later": round(statistics.median(later_b) / MiB, 2),
             "bucket_MiB_at_end": round(r["bucket_bytes"] / MiB, 1),
         }
+        if "restart_save_s" in r:
+            summary[name]["restart_save_s"] = round(r["restart_save_s"], 3)
+            summary[name]["restart_uploaded_MiB"] = round(r["restart_uploaded_bytes"] / MiB, 2)
     inc, full = summary["incremental"], summary["full"]
     summary["ratios"] = {
         "uploaded_later_vs_full": round(inc["uploaded_MiB_median_later"] / full["uploaded_MiB_median_later"], 4),
