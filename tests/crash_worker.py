@@ -19,7 +19,7 @@ HOOK makes the process SIGKILL itself at an exact instant, the I-th time it gets
 - ``state-before-rename``: with the new state file written and durable, before it replaces the old;
 - ``state-after-rename``: right after the new state file replaced the old (the dropped checkpoints
   are not yet deleted);
-- ``bucket-delete`` (DIRECTORY in a bucket): after a random one of the first 12 object deletions
+- ``bucket-delete`` (DIRECTORY in a bucket): after a random one of the first 6 object deletions
   inside a checkpoint's prefix (retention deleting, or pruning shared data it holds for kept ones).
 
 In a bucket (``s3://...``), leaves over 1 MiB are arrays of their own, so that the frozen ones are
@@ -108,7 +108,7 @@ def install_hook(hook: str, at: int, rng: random.Random) -> None:
     if hook == "bucket-delete":
         from jaxckpt import _kvstore
 
-        real_kv_delete, real_kv_delete_all, at = _kvstore.kv_delete, _kvstore.kv_delete_all, rng.randint(1, 12)
+        real_kv_delete, real_kv_delete_all, at = _kvstore.kv_delete, _kvstore.kv_delete_all, rng.randint(1, 6)
 
         def counted(call):
             def delete_then_die(base, *key):
