@@ -22,6 +22,7 @@ file whose cost alone exceeds the budget is copied alone, the least memory the A
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import uuid
@@ -29,7 +30,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from jaxckpt import _kvstore, _local_tree, _multihost, _process_states, _save, _staging, _storage
+from jaxckpt import (
+    _copy_memory,
+    _kvstore,
+    _local_tree,
+    _multihost,
+    _process_states,
+    _refs_json,
+    _save,
+    _staging,
+    _storage,
+)
+from jaxckpt._copy_memory import CopyMemory
 from jaxckpt._errors import CheckpointCorruptedError
 from jaxckpt._format import INDEX_FILE, data_store
 from jaxckpt._index_json import decode_index, encode_index
@@ -61,7 +73,8 @@ def copy_checkpoint(
     on_file: Callable[[int], None] | None = None,
     tag: str | None = None,
     budget: int | None = None,
-) -> None:
+    memory: CopyMemory | None = None,
+) -> tuple[str, ...]:
     """Copy the finished checkpoint at ``source`` (a local folder) to ``dest``; the index last.
 
     In a multi-process run every process calls it with the same ``tag`` (unique to this copy, alike
@@ -70,6 +83,8 @@ def copy_checkpoint(
     ``on_file(nbytes)`` is called after each file is copied (progress, and tests that interrupt; one
     call at a time). Files are copied several at once within ``budget`` bytes of host memory (by
     default the saves' :func:`jaxckpt._save.host_memory_budget`; see the module's description).
+    ``memory``: a two-tier manager's, so that what the last copy copied is not copied again
+    (:mod:`jaxckpt._copy_memory`); returns the durable checkpoints the copy refers to (buckets).
     """
     me, many = _multihost.process_index(), _multihost.process_count() > 1
     mine = data_store(me)
@@ -84,12 +99,23 @@ def copy_checkpoint(
     if me != 0:
         staging = _staging.staging_folder(dest, token)
     try:
-        _copy_files(source, staging, files, _save.host_memory_budget() if budget is None else budget, on_file)
         index = (source / INDEX_FILE).read_bytes()
-        if many:  # each process's local index holds its own iterator states: process 0's gets them all
-            parsed = decode_index(index, str(source / INDEX_FILE))
-            if _process_states.gather(token, parsed):
-                index = encode_index(parsed)
+        parsed = decode_index(index, str(source / INDEX_FILE)) if many or memory is not None else None
+        save = parsed.save if parsed is not None else None
+        refs = memory.refer(source, files, save) if memory is not None and dest.local is None and save else {}
+        skipped = {f for store, arrays in refs.items() for a in arrays for f in files if f.startswith(f"{store}/{a}/")}
+        copied = [f for f in files if f not in skipped]
+        _copy_files(source, staging, copied, _save.host_memory_budget() if budget is None else budget, on_file, memory)
+        for store, arrays in refs.items():
+            _kvstore.kv_write((staging / store).spec(), _refs_json.REFS_FILE, _refs_json.encode(save or "", arrays))
+        uses = _copy_memory.uses(refs)
+        if many and memory is not None:  # every process's references, for the index and the state file
+            uses = sorted({n for text in _multihost.gather(f"{name}/refs", json.dumps(uses)) for n in json.loads(text)})
+        changed = _process_states.gather(token, parsed) if many and parsed is not None else False  # their states
+        if uses and parsed is not None and not parsed.refs:
+            parsed.refs = changed = True  # version 6 (jaxckpt._refs)
+        if changed and parsed is not None:
+            index = encode_index(parsed)
         _multihost.barrier(f"{name}/written")
         if me == 0:
             _staging.publish(staging, dest, index, overwrite)
@@ -99,7 +125,12 @@ def copy_checkpoint(
     except BaseException:
         if me == 0:
             _staging.discard(staging)
+        if memory is not None:
+            memory.forget()
         raise
+    if memory is not None and save:
+        memory.remember(source, files, dest, save, refs)
+    return tuple(uses)
 
 
 MAX_FILES_IN_FLIGHT = 8  # files copied at once, at most (within the byte budget)
@@ -137,7 +168,12 @@ class _Budget:
 
 
 def _copy_files(
-    source: Path, staging: Location, files: Sequence[str], budget: int, on_file: Callable[[int], None] | None
+    source: Path,
+    staging: Location,
+    files: Sequence[str],
+    budget: int,
+    on_file: Callable[[int], None] | None,
+    memory: CopyMemory | None = None,
 ) -> None:
     """Copy ``files`` of ``source`` into ``staging``, several at once while their cost fits ``budget``."""
     limit = _Budget(budget)
@@ -146,7 +182,12 @@ def _copy_files(
 
     def copy(rel: str, cost: int) -> None:
         try:
-            size = _copy_file(source / rel, staging, rel)
+            # What the durable tier holds already is hard-linked there (jaxckpt._copy_memory), not copied.
+            target = staging.local / rel if staging.local is not None and memory is not None else None
+            if target is not None:
+                target.parent.mkdir(parents=True, exist_ok=True)
+            linked = target is not None and memory is not None and memory.link(target, source / rel)
+            size = 0 if linked else _copy_file(source / rel, staging, rel)
             if on_file is not None:
                 with said:
                     on_file(size)

@@ -33,8 +33,13 @@ FORMAT_NAME = "jaxckpt"
 # CHECKSUMS_FILE, which names the save that wrote it (the index's ``save``): a chunk or shard moved,
 # swapped or copied from another checkpoint with its own checksum is damage, not another place's
 # values (a chunk's own checksum proves its bytes intact, not where they belong).
-#: The format version that this jaxckpt writes; it reads every version up to it (1 to 5).
-FORMAT_VERSION = 5
+# Version 6: a data store may store arrays by reference to a sibling checkpoint of the same folder
+# (a manager's incremental saves on buckets; REFS_FILE, see jaxckpt._refs). Only a checkpoint that
+# holds references is written as version 6; every other one stays version 5 (PLAIN_VERSION), which
+# readers of version 5 open.
+#: The newest format version that this jaxckpt writes; it reads every version up to it (1 to 6).
+FORMAT_VERSION = 6
+PLAIN_VERSION = 5  # what a checkpoint without references is written as
 INDEX_FILE = "index.json"
 CHECKSUMS_FILE = "checksums.json"  # in each data store, from version 5 (jaxckpt._checksums)
 DATA_DIR = "data"  # the data store of process 0 (an OCDBT database up to version 3)
@@ -263,6 +268,7 @@ class Index:
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     # The id of the save that wrote it (version 5): every data store's CHECKSUMS_FILE names it.
     save: str | None = None
+    refs: bool = False  # a data store holds references (jaxckpt._refs): written as version 6
 
     def keys_under(self, prefix: str) -> list[str]:
         """Leaf keys at or below ``prefix``, in graph order."""

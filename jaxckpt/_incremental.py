@@ -49,7 +49,7 @@ import os
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -68,8 +68,14 @@ _CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json r
 _PROBE = 64 << 10  # bytes of a numpy array compared with its file's before any CRC (_same_content)
 # The memory of the manager whose restore call is running (Memory.restoring), and every live
 # manager's memory, told of the restores of its directory's checkpoints outside its calls.
-_RESTORING: contextvars.ContextVar[Memory | None] = contextvars.ContextVar("jaxckpt_restoring", default=None)
+_RESTORING: contextvars.ContextVar[Remembers | None] = contextvars.ContextVar("jaxckpt_restoring", default=None)
 _WATCHING: weakref.WeakSet[Memory] = weakref.WeakSet()
+
+
+class Remembers(Protocol):
+    """A manager's memory (this module's :class:`Memory`, or a bucket's ``jaxckpt._bucket_memory``)."""
+
+    def loaded(self, opened: Any, values: Mapping[str, Any]) -> None: ...
 
 
 class Shard(NamedTuple):
@@ -229,7 +235,7 @@ class Memory:
         self._entries, self._restored = entries, {}
 
     def loaded(self, opened: Any, values: Mapping[str, Any]) -> None:
-        """A restore's values (``_reader.LOADED``): the arrays read unchanged from a local checkpoint of format 5."""
+        """A restore's values (:func:`loaded`): the arrays read unchanged from a local checkpoint of format 5."""
         index, folder = opened.index, opened.location.local
         if folder is None or index.save is None:
             return
@@ -260,14 +266,9 @@ class Memory:
                     ref, tuple(leaf.at.chunks), leaf.at.stored, restored=(Path(folder), leaf.at.path, index.save)
                 )
 
-    @contextlib.contextmanager
-    def restoring(self) -> Iterator[None]:
+    def restoring(self) -> contextlib.AbstractContextManager[None]:
         """Remember what the restores inside return."""
-        token = _RESTORING.set(self)
-        try:
-            yield
-        finally:
-            _RESTORING.reset(token)
+        return restoring(self)
 
 
 def loaded(opened: Any, values: Mapping[str, Any]) -> None:
@@ -287,8 +288,18 @@ def loaded(opened: Any, values: Mapping[str, Any]) -> None:
             memory.loaded(opened, values)
 
 
-def restoring(memory: Memory | None) -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext() if memory is None else memory.restoring()
+def restoring(memory: Remembers | None) -> contextlib.AbstractContextManager[None]:
+    """``memory`` remembers what the restores inside return (nothing without a memory)."""
+    return contextlib.nullcontext() if memory is None else _restoring(memory)
+
+
+@contextlib.contextmanager
+def _restoring(memory: Remembers) -> Iterator[None]:
+    token = _RESTORING.set(memory)
+    try:
+        yield
+    finally:
+        _RESTORING.reset(token)
 
 
 def _written(dest: Path, leaf: ArrayLeaf, writers: Mapping[str, Any]) -> dict[tuple[str, int], Shard]:

@@ -33,6 +33,7 @@ from jaxckpt._format import (
     MAX_PROCESS,
     MAX_PROCESS_STATES,
     MAX_RANK,
+    PLAIN_VERSION,
     SCALAR_TYPES,
     STATE_TYPES,
     ArrayLeaf,
@@ -115,7 +116,7 @@ def encode_index(index: Index) -> bytes:
     meshes = {id(m): i for i, m in enumerate(index.meshes)}
     body = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if index.refs else PLAIN_VERSION,
         "metadata": index.metadata,
         "nodes": {k: {"kind": n.kind, "class": n.cls, "keys": list(n.keys)} for k, n in index.nodes.items()},
         "leaves": {k: _leaf_to_json(v, meshes) for k, v in index.leaves.items()},
@@ -205,7 +206,7 @@ def decode_index(data: bytes, where: str) -> Index:
     if not isinstance(metadata, dict):
         raise _fail(where, "field 'metadata' is not an object")
     aliases = _parse_aliases(body.get("aliases"), nodes, where)
-    return Index(nodes, leaves, packs, metadata, version, meshes, aliases, save)
+    return Index(nodes, leaves, packs, metadata, version, meshes, aliases, save, refs=version >= 6)
 
 
 class _LeafWhere:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxckpt import _local_tree, _run_metadata, _statefile, _storage
+from jaxckpt import _local_tree, _refs, _run_metadata, _statefile, _storage
 from jaxckpt._describe import (
     KeyTree,
     build_tree,
@@ -40,8 +40,7 @@ from jaxckpt._describe import (
     short_value,
 )
 from jaxckpt._errors import CheckpointFormatError, JaxckptError
-from jaxckpt._format import INDEX_FILE, ArrayLeaf, Index, Leaf, ValueLeaf
-from jaxckpt._index_json import decode_index
+from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
 from jaxckpt._open import Probe, is_manager_directory, open_found, probe
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._progress import human_bytes
@@ -273,28 +272,17 @@ def disk_bytes(path: PathLike | _storage.Location) -> int | None:
     its index records (see :func:`_recorded_bytes`); None if there is no checkpoint there."""
     location = _storage.location(path)
     if location.local is None:
-        return _recorded_bytes(location)
+        return _refs.bucket_usage(location)[0]
     return _local_tree.total_bytes(location)
 
 
 def _usage(location: _storage.Location) -> tuple[int | None, int | None, dict[tuple[int, int], int]]:
-    """A checkpoint's bytes, those in files shared with other checkpoints (hard links), and those files."""
-    found = _local_tree.usage(location) if location.local is not None else None
+    """A checkpoint's bytes, those in files shared with other checkpoints (hard links; in a bucket, the
+    arrays it refers to: jaxckpt._refs), and those files (arrays)."""
+    if location.local is None:
+        return _refs.bucket_usage(location)
+    found = _local_tree.usage(location)
     return (disk_bytes(location), None, {}) if found is None else (found.apparent, found.shared, found.linked)
-
-
-def _recorded_bytes(checkpoint: _storage.Location) -> int | None:
-    """A checkpoint in an object store: its index's bytes and those of the arrays it records, from one
-    (bounded) read of its index, since a listing there has no sizes and asking each object for its
-    size is a request per object; None if it has no index (or one that does not parse)."""
-    try:
-        raw = _storage.read_file(checkpoint, INDEX_FILE, _storage.INDEX_READ_LIMIT)
-        if raw is None:
-            return None
-        index = decode_index(raw, repr(str(checkpoint / INDEX_FILE)))
-    except JaxckptError:
-        return None
-    return len(raw) + sum(leaf.nbytes for leaf in index.leaves.values() if isinstance(leaf, ArrayLeaf))
 
 
 def _when(t: float) -> str:
@@ -344,9 +332,10 @@ class ManagerView:
         # On a local disk, the bytes of each checkpoint's files that have other hard links (shared with
         # other checkpoints by incremental saves), and the bytes of all of them with each file once.
         self.shared_bytes: dict[str, int | None] = {c.path: size[1] for c, size in zip(self.checkpoints, sizes)}
-        linked = {k: v for _, _, files in sizes for k, v in files.items()}
+        # Bucket references to a listed checkpoint are in its size already; to held data, not.
+        linked = {k: v for _, _, files in sizes for k, v in files.items() if str(k[0]) not in names}
         held = [(size, shared) for size, shared, _ in sizes if size is not None and shared is not None]
-        self.unique_bytes = sum(a - b for a, b in held) + sum(linked.values()) if location.local else None
+        self.unique_bytes = sum(a - b for a, b in held) + sum(linked.values()) if location.local or held else None
         # The run's metadata (None: none recorded) is an aside: damage to it is named, not fatal here.
         self.metadata_problem: str | None = None
         try:

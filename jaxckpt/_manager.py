@@ -24,6 +24,7 @@ snapshot went well, and all raise together if one did not, so that the next save
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import threading
@@ -31,7 +32,18 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from jaxckpt import _incremental, _lock, _multihost, _retention, _run_metadata, _save, _staging, _startup, _storage
+from jaxckpt import (
+    _bucket_memory,
+    _incremental,
+    _lock,
+    _multihost,
+    _retention,
+    _run_metadata,
+    _save,
+    _staging,
+    _startup,
+    _storage,
+)
 from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
@@ -40,6 +52,7 @@ from jaxckpt._manager_options import ManagerOptions, check_metrics
 from jaxckpt._manager_orbax import OrbaxCalls
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._preemption import PreemptionHandler, PreemptionSaves
+from jaxckpt._refs import deletions
 from jaxckpt._restore import RestoreStatus
 from jaxckpt._retention import RetentionCalls
 from jaxckpt._statefile import STATE_FILE, latest_checkpoint
@@ -87,8 +100,9 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._retention_lock = threading.RLock()
         self._preemption: PreemptionHandler | None = None
         self._path = _storage.location(directory)
-        # What this process last saved or restored here, so that unchanged arrays are linked (local disks).
-        self._memory = _incremental.Memory(self._path.local) if incremental and self._path.local is not None else None
+        # What this process last saved or restored here, so that unchanged arrays are linked (local
+        # disks) or referred to (buckets: jaxckpt._refs).
+        self._memory = _bucket_memory.memory_for(self._path) if incremental else None
         # Dropped checkpoints are deleted in the background, after the state file lists the kept ones.
         self._deleter = _retention.Deleter(self._path)
         # In a multi-process run, only the primary owns the directory: it holds the lock, writes the
@@ -300,6 +314,8 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         _retention), the deletion in the background."""
         prepared.unlisted = self._primary  # until listed: see _startup's adoption
         _save.write_and_publish(prepared)
+        if prepared.uses:  # the state file says whose data it refers to (see _refs)
+            info = dataclasses.replace(info, uses=prepared.uses)
         # Written and durable: now it may be listed. If recording fails, the unlisted folder is
         # garbage that the next manager removes.
         self._record(info, prepared.token)
@@ -314,7 +330,9 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
                 self._last_preserved = retained.last_preserved
                 self._infos = retained.kept
             # Off the save's path: the next save may start while these are deleted (see _retention).
-            self._deleter.delete(_retention.dropped_names(candidates, retained.kept))
+            self._deleter.delete(
+                _retention.dropped_names(candidates, retained.kept), deletions(candidates, retained.kept)
+            )
         else:
             candidates = [*self._infos, info]
             published = _multihost.kept(token, self._directory)

@@ -173,6 +173,7 @@ def _row(c: CheckpointInfo) -> dict[str, Any]:
         "time": c.time,
         "metrics": dict(c.metrics),
         "preserved": c.preserved,
+        "uses": list(c.uses),
     }
 
 
@@ -195,7 +196,12 @@ def kept(token: str, directory: str) -> list[CheckpointInfo] | None:
         )
     return [
         CheckpointInfo(
-            os.path.join(directory, r["prefix"]), r["step"], r["time"], dict(r["metrics"]), bool(r.get("preserved"))
+            os.path.join(directory, r["prefix"]),
+            r["step"],
+            r["time"],
+            dict(r["metrics"]),
+            bool(r.get("preserved")),
+            tuple(r.get("uses", ())),
         )
         for r in doc["kept"]
     ]

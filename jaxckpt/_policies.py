@@ -27,7 +27,8 @@ class CheckpointInfo:
     at, ``time`` when it was saved (Unix seconds), and ``metrics`` what was passed to
     ``save(metrics=...)``; a value that was not finite (NaN, inf) is recorded as ``None``.
     ``preserved`` marks a checkpoint that ``keep_checkpoint_every_n_hours`` preserved, as TensorFlow
-    does: no manager deletes it any more, whatever its policies (they never see it).
+    does: no manager deletes it any more, whatever its policies (they never see it). ``uses`` names
+    the checkpoints of the same directory whose data it refers to (incremental saves on buckets).
     """
 
     path: str
@@ -35,6 +36,7 @@ class CheckpointInfo:
     time: float
     metrics: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
     preserved: bool = False
+    uses: tuple[str, ...] = ()
 
 
 @runtime_checkable

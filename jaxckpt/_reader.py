@@ -19,7 +19,7 @@ import crc32c
 import jax
 import numpy as np
 
-from jaxckpt import _format, _formats, _incremental, _local_tree, _storage, _tensorstore_read, _zarr_local
+from jaxckpt import _format, _formats, _incremental, _local_tree, _refs, _storage, _tensorstore_read, _zarr_local
 from jaxckpt._checksums import StoreChecksums, checksums_limit
 from jaxckpt._errors import (
     CheckpointCorruptedError,
@@ -28,18 +28,7 @@ from jaxckpt._errors import (
     NotACheckpointError,
     UnsupportedValueError,
 )
-from jaxckpt._format import (
-    CHECKSUMS_FILE,
-    DATA_DIR,
-    INDEX_FILE,
-    ArrayLeaf,
-    Box,
-    InArray,
-    Index,
-    InForeign,
-    InPack,
-    Leaf,
-)
+from jaxckpt._format import DATA_DIR, INDEX_FILE, ArrayLeaf, Box, InArray, Index, InForeign, InPack, Leaf
 from jaxckpt._in_flight import READ_AHEAD_BYTES, InFlight, Pending
 from jaxckpt._index_json import decode_index
 from jaxckpt._read_plan import (
@@ -106,7 +95,7 @@ class Opened:
         else:
             self._pinned, raw = self._pin_and_read_index()
         self.index: Index = decode_index(raw, where)
-        self._readers: dict[str, _tensorstore_read.Reader] = {}
+        self._readers: dict[str, Any] = {}  # a Reader, or a ReferringReader
         self._checksums: dict[str, StoreChecksums] = {}
         self._checksums_limit: int | None = None
         self._stored_bytes: dict[str, int] = {}  # per data store, for _check_backed
@@ -272,6 +261,8 @@ class Opened:
             return
         # A crafted shard shape of all 1s claims no more values, but a million files.
         sharded = self.index.version >= 4
+        # Version 6: an array a store refers to is in a sibling's store, whose files are checked as read.
+        refs = {s: self._reader_of(s).refs() for s in stores} if self.index.refs else {}
         claims: dict[str, int] = defaultdict(int)
         overhead: dict[str, int] = defaultdict(int)
         largest: dict[str, tuple[int, str]] = {}
@@ -301,6 +292,10 @@ class Opened:
                         boxes.update((s, b) for s, b in _format.regions(at, leaf.shape).items() if s in stores)
                 if sharded:
                     extra = {s: files_overhead(at, leaf.dtype.itemsize, b) for s, b in boxes.items()}
+                if refs:
+                    parts, extra = (
+                        {s: n for s, n in d.items() if at.path not in refs.get(s, {})} for d in (parts, extra)
+                    )
             else:
                 parts = {DATA_DIR: leaf.nbytes}
                 if sharded and at.pack not in packs:  # its pack's index, once
@@ -368,15 +363,17 @@ class Opened:
             return _storage.Location(str(self.location / store), local=Path(f"/proc/self/fd/{pinned.fd}", store))
         return self.location / store
 
-    def _reader_of(self, store: str) -> _tensorstore_read.Reader:
+    def _reader_of(self, store: str) -> Any:
         if store not in self._readers:
             checksums = None if self.index.save is None else functools.partial(self._checksums_of, store)
             pinned = None if self._pinned is None else (self._pinned, store)
-            spec = (self.location / store).spec()
-            self._readers[store] = _tensorstore_read.Reader(
-                spec, version=self.index.version, pinned=pinned, checksums=checksums
+            reader: Any = _tensorstore_read.Reader(
+                (self.location / store).spec(), version=self.index.version, pinned=pinned, checksums=checksums
             )
-            self._readers[store].check_zarr_json = self.check_zarr_json
+            if self.index.refs and self.index.save is not None:  # version 6: arrays of siblings (jaxckpt._refs)
+                reader = _refs.ReferringReader(self.location, store, self.index.save, reader)
+            reader.check_zarr_json = self.check_zarr_json
+            self._readers[store] = reader
         return self._readers[store]
 
     def _checksums_of(self, store: str) -> StoreChecksums:
@@ -384,7 +381,7 @@ class Opened:
         read once, and no larger than what the index's arrays imply."""
         assert self.index.save is not None
         if store not in self._checksums:
-            name = f"{store}/{CHECKSUMS_FILE}"
+            name = f"{store}/{_format.CHECKSUMS_FILE}"
             where = repr(str(self.location / name))
             if self._checksums_limit is None:  # once: it walks the index
                 self._checksums_limit = checksums_limit(self.index)

@@ -22,11 +22,11 @@ import secrets
 import threading
 import warnings
 import weakref
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from jaxckpt import _kvstore, _local_tree, _multihost, _staging, _statefile, _storage
+from jaxckpt import _kvstore, _local_tree, _multihost, _refs, _staging, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._caller import caller_level
 from jaxckpt._errors import CheckpointNotFoundError, JaxckptError, ManagerLockedError, StorageError
@@ -165,12 +165,16 @@ class Deleter:
         with self._lock:
             return name in self._pending
 
-    def delete(self, names: Iterable[str]) -> None:
+    def delete(self, names: Iterable[str], users: Mapping[str, Sequence[str]] | None = None) -> None:
         """Delete the checkpoints ``names`` (in ``folder``, no longer listed), after the previous batch.
 
         A local one is renamed away here (one step: its name is free when this returns), and deleted
-        in the background; a bucket's in the background, its index first."""
+        in the background; a bucket's in the background, its index first. ``users``
+        (:func:`jaxckpt._refs.deletions`): the kept checkpoints that use each of them, whose data stays
+        held, and the held data of others to prune as well."""
         names = list(names)
+        users = dict(users or {})
+        names += [n for n in users if n not in names]
         if not names:
             return
         self._background.wait()  # raises only what is no storage failure (those are kept: _run)
@@ -187,12 +191,15 @@ class Deleter:
             return
         with self._lock:
             self._pending.update(name for name, _ in hidden)
-        self._background.submit(lambda: self._run(hidden))
+        self._background.submit(lambda: self._run(hidden, users))
 
-    def _run(self, hidden: list[tuple[str, _storage.Location]]) -> None:
+    def _run(self, hidden: list[tuple[str, _storage.Location]], users: Mapping[str, Sequence[str]]) -> None:
         for name, target in hidden:
             try:
-                _erase(target)
+                if users.get(name):  # kept checkpoints use some of its data: that stays (held)
+                    _erase(target, [self._folder / u for u in users[name]])
+                else:
+                    _erase(target)
             except (OSError, JaxckptError) as e:  # not listed any more, so the next manager removes it
                 self._failed(name, e)
             finally:
@@ -234,24 +241,24 @@ def dropped_names(candidates: Sequence[CheckpointInfo], kept: Sequence[Checkpoin
     return [os.path.basename(c.path) for c in candidates if c.path not in kept_paths]
 
 
-def remove_checkpoint(path: _storage.Location) -> None:
+def remove_checkpoint(path: _storage.Location, users: Sequence[_storage.Location] = ()) -> None:
     """Remove what is left of a checkpoint at ``path`` (a manager's start-up), so that a crash midway
     never leaves a half-deleted one that looks whole (see :func:`_remove_tree`); best effort locally,
-    as :func:`jaxckpt._storage.delete_tree`."""
+    as :func:`jaxckpt._storage.delete_tree`. In a bucket, what ``users`` refer to stays (held data)."""
     if path.local is not None and (_storage.is_symlink(path) or not path.local.is_dir()):
         _storage.delete_tree(path)
         return
     try:
-        _remove_tree(path)
+        _remove_tree(path, users)
     except OSError:
         if path.local is None:
             raise
 
 
-def _remove_tree(path: _storage.Location) -> None:
+def _remove_tree(path: _storage.Location, users: Sequence[_storage.Location] = ()) -> None:
     target = _hide(path)
     if target is not None:
-        _erase(target)
+        _erase(target, users) if users else _erase(target)
 
 
 def _hide(path: _storage.Location) -> _storage.Location | None:
@@ -272,8 +279,9 @@ def _hide(path: _storage.Location) -> _storage.Location | None:
     return path  # a bucket has no rename: see _erase
 
 
-def _erase(target: _storage.Location) -> None:
-    """The slow rest of removing a checkpoint: a renamed local folder, or a bucket's prefix."""
+def _erase(target: _storage.Location, users: Sequence[_storage.Location] = ()) -> None:
+    """The slow rest of removing a checkpoint: a renamed local folder, or a bucket's prefix (but
+    the data that ``users``, kept checkpoints, refer to: see :mod:`jaxckpt._refs`)."""
     if target.local is not None:
         _delete_renamed(target.local)
         return
@@ -281,7 +289,10 @@ def _erase(target: _storage.Location) -> None:
     # is no checkpoint (a reader, or the next manager, finds no index); the objects left are garbage
     # that the next manager removes, since nothing lists this prefix any more.
     _kvstore.kv_delete(target.spec(), INDEX_FILE)
-    _delete_rest(target)
+    if users:
+        _refs.prune(target, users)
+    else:
+        _delete_rest(target)
 
 
 def _delete_rest(path: _storage.Location) -> None:
@@ -310,6 +321,7 @@ class RetentionCalls:
     _primary: bool
     _own_copy: bool
     _last_checkpoint_step: int | None
+    _memory: Any
 
     def delete(self, step: int) -> None:
         """Delete the checkpoint of ``step`` (see :meth:`jaxckpt.CheckpointManager.delete`)."""
@@ -344,6 +356,10 @@ class RetentionCalls:
             kept = [c for c in self._infos if c.step != step or not self._own(c)]
             if len(kept) == len(self._infos):
                 return False
+            for memory in (self._memory, getattr(self, "_copy_memory", None)):  # they may refer to it (buckets)
+                forget = getattr(memory, "forget", None)
+                if forget is not None:
+                    forget()
             if self._primary:
                 self._keep_only(kept)
             else:
@@ -395,7 +411,7 @@ class RetentionCalls:
                     _clear_mark(self._path / name)
                 raise
             self._infos = kept
-        self._deleter.delete(dropped)
+        self._deleter.delete(dropped, _refs.deletions(old, kept))
 
     def _reapply_retention(self) -> None:
         """Apply retention again to what is listed: ``_also_keep`` kept a checkpoint that it lets go now."""

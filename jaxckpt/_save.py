@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxckpt import _format, _incremental, _multihost, _process_states, _staging, _statefile, _storage, _tensorstore
+from jaxckpt._bucket_memory import BucketMemory
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
     DATA_DIR,
@@ -169,8 +170,9 @@ class Prepared:
     unlisted: bool = False
     end_pause: Callable[[], None] = _nothing  # ends prepare's pause of the garbage collector
     # A manager's incremental saves: what it remembers, and the arrays of this save, for the next.
-    memory: _incremental.Memory | None = None
+    memory: _incremental.Memory | BucketMemory | None = None
     refs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    uses: tuple[str, ...] = ()  # the siblings it refers to (buckets: jaxckpt._refs)
 
 
 def prepare(
@@ -180,7 +182,7 @@ def prepare(
     overwrite: bool = False,
     budget: int | None = None,
     own_copy: bool = False,
-    memory: _incremental.Memory | None = None,
+    memory: _incremental.Memory | BucketMemory | None = None,
 ) -> Prepared:
     """The blocking part of a save: check the destination and every leaf, and take the snapshot
     (:mod:`jaxckpt._snapshot`); the records, packs and index are made by :func:`write_and_publish`.
@@ -191,7 +193,7 @@ def prepare(
     longer call, not more memory. ``budget`` overrides :func:`host_memory_budget`. ``own_copy``: each
     process writes a whole checkpoint of its own at ``path`` (its own disk), holding the packs and
     every region it has (see :class:`Prepared`). ``memory``: a manager's, whose unchanged arrays are
-    hard-linked on local disks (:mod:`jaxckpt._incremental`).
+    hard-linked on local disks (:mod:`jaxckpt._incremental`), referred to on buckets (:mod:`jaxckpt._refs`).
 
     The garbage collector stays paused until what was taken is recorded: the collection it put off
     (of every object the snapshot made) then runs there, not in the caller's thread as the call ends.
@@ -211,7 +213,12 @@ def prepare(
 
 
 def _prepare(
-    path: PathLike, root: Any, overwrite: bool, budget: int | None, own_copy: bool, memory: _incremental.Memory | None
+    path: PathLike,
+    root: Any,
+    overwrite: bool,
+    budget: int | None,
+    own_copy: bool,
+    memory: _incremental.Memory | BucketMemory | None,
 ) -> Prepared:
     dest = _storage.location(path)
     keys = _staging.check_writable(dest, overwrite)  # in an object store: what is there, listed once
@@ -226,17 +233,25 @@ def _prepare(
     try:
         limit = host_memory_budget() if budget is None else budget
         writer = _tensorstore.Writer((staging / data_store(me)).spec())
+        writer.incremental = isinstance(memory, BucketMemory)  # the same in every process: array numbers agree
         records = _Records(writer, me, limit, staging if own_copy else None)
         if not writer.local:  # an object store: packs sized by the data (see _tensorstore.pack_target)
             records.packer.target = _pack_target(flat, writer.pack_leaf_limit)
-        memory = memory if writer.local and staging.local is not None else None
-        linked = {} if memory is None else memory.link(flat.leaves, Path(staging.local), me, own_copy)  # type: ignore[arg-type]
+        linked: dict[str, _incremental.Linked] = {}
+        if isinstance(memory, BucketMemory) and not writer.local and not own_copy:
+            linked = memory.link(flat.leaves, me, writer.pack_leaf_limit)
+        elif isinstance(memory, _incremental.Memory) and writer.local and staging.local is not None:
+            linked = memory.link(flat.leaves, Path(staging.local), me, own_copy)
+        else:
+            memory = None
         rest = {k: x for k, x in flat.leaves.items() if k not in linked} if linked else flat.leaves
         taken = _take(rest, me, own_copy, limit, writer.pack_leaf_limit)
         if taken is not None and linked:  # in leaf order, as every process records them
             taken = {k: linked[k] if k in linked else taken[k] for k in flat.leaves}
         p = Prepared(os.fspath(path), dest, staging, token, overwrite, records, flat, taken, own_copy=own_copy)
-        if memory is not None:
+        if isinstance(memory, BucketMemory):
+            p.memory, p.refs = memory, memory.refs(flat.leaves, writer.pack_leaf_limit)
+        elif memory is not None:
             p.memory, p.refs = memory, memory.refs(flat.leaves)
         if p.taken is None:  # over the budget: recorded, and written out in parts, here
             taker = Taker(me, own_copy, eager=True, pack_limit=writer.pack_leaf_limit)
@@ -445,6 +460,9 @@ def write_and_publish(p: Prepared) -> str:
         for writer in p.records.writers.values():
             writer.flush()
             writer.finish(p.token)  # the checksums of its arrays, which the index's save names
+        if isinstance(p.memory, BucketMemory):  # every process alike
+            p.uses = p.memory.uses(p.token, p.records.writers.values())
+            p.index.refs = bool(p.uses)
         if not p.own_copy:  # an own copy holds this process's states only, as they are
             _process_states.gather(p.token, p.index)
         _multihost.barrier(f"{p.token}/written")  # every process's bytes are durable
@@ -452,7 +470,9 @@ def write_and_publish(p: Prepared) -> str:
             p.index.save = p.token
             _staging.publish(p.staging, p.dest, encode_index(p.index), p.overwrite)
         _multihost.barrier(f"{p.token}/published")
-        if p.memory is not None and p.dest.local is not None:  # the next save links from this one
+        if isinstance(p.memory, BucketMemory):  # the next save refers to this one
+            p.memory.remember(p.dest, p.token, p.refs, p.index.leaves, p.records.writers)
+        elif p.memory is not None and p.dest.local is not None:  # the next save links from this one
             p.memory.remember(p.dest.local, p.refs, p.index.leaves, p.records.writers)
     except BaseException:
         if primary:  # the others may still be writing into it; a manager removes what is left

@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from jaxckpt import _retention, _staging, _statefile, _storage
+from jaxckpt import _refs, _retention, _staging, _statefile, _storage
 from jaxckpt._caller import caller_level
 from jaxckpt._errors import CheckpointExistsError, ManagerLockedError
 from jaxckpt._manager_options import ManagerOptions
@@ -75,7 +75,9 @@ def _unlisted_checkpoints(
                 when = min(when, (checkpoint.local / _storage.INDEX_FILE).stat().st_mtime)
             except OSError:
                 pass
-        found.append(CheckpointInfo(os.path.join(directory, name), number, when))
+        # A bucket's may refer to the data of others (jaxckpt._refs), which must stay while it is listed.
+        uses = _refs.uses_of(checkpoint) if checkpoint.local is None else ()
+        found.append(CheckpointInfo(os.path.join(directory, name), number, when, uses=uses))
     return sorted(found, key=lambda c: c.step)
 
 
@@ -183,6 +185,7 @@ def remove_leftovers(
         elif options.number(name) is not None and name not in listed:
             # As retention deletes: first made no checkpoint (renamed away, or its index deleted), so
             # that a crash in the middle of this never leaves a half-deleted one to adopt next time.
-            _retention.remove_checkpoint(folder / name)
+            users = [folder / os.path.basename(c.path) for c in infos if name in c.uses]  # held data stays
+            _retention.remove_checkpoint(folder / name, users)
         elif name in listed:  # listed, but a crash came before its mark was dropped
             _statefile.clear_unrecorded(folder / name)

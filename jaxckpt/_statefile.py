@@ -18,7 +18,9 @@ seconds (from 1970 to the end of year 9999, so that any tool can print it as a d
 what ``save(metrics=...)`` got (a non-finite value is ``null``). Two optional fields, added without
 a version change since readers ignore unknown fields: ``"preserved": true`` on a checkpoint that
 ``keep_checkpoint_every_n_hours`` preserved (no manager deletes it), and ``last_preserved_time``, the
-time that rule counts its hours from (TensorFlow's ``last_preserved_timestamp``). A newer
+time that rule counts its hours from (TensorFlow's ``last_preserved_timestamp``). A third,
+``"uses": ["ckpt-3", ...]``, names the checkpoints of the directory whose data a checkpoint refers
+to (incremental saves on buckets, :mod:`jaxckpt._refs`): their data stays while it is listed. A newer
 ``version`` is refused. The file is untrusted input: it is read as a regular file of bounded
 size (``_storage.read_file``) and every field is checked before use.
 
@@ -85,7 +87,11 @@ def _parse_entry(raw: object, where: _storage.Location, directory: str) -> Check
         raise _bad_state(where, f"metrics of {prefix!r} must map names to numbers or null, not {metrics!r}")
     if preserved is not None and not isinstance(preserved, bool):
         raise _bad_state(where, f"preserved of {prefix!r} must be true or false, not {preserved!r}")
-    return CheckpointInfo(os.path.join(directory, prefix), step, float(when), dict(metrics), bool(preserved))
+    uses = raw.get("uses", [])
+    if not isinstance(uses, list) or not all(isinstance(u, str) and PREFIX.fullmatch(u) and u[0] != "." for u in uses):
+        raise _bad_state(where, f"uses of {prefix!r} must list names of folders in the directory, not {uses!r}")
+    path = os.path.join(directory, prefix)
+    return CheckpointInfo(path, step, float(when), dict(metrics), bool(preserved), tuple(uses))
 
 
 def read_state(directory: str | _storage.Location) -> list[CheckpointInfo] | None:
@@ -166,6 +172,7 @@ def write_state(
     rows = [
         {"prefix": n, "step": c.step, "time": c.time, "metrics": dict(c.metrics)}
         | ({"preserved": True} if c.preserved else {})
+        | ({"uses": list(c.uses)} if c.uses else {})
         for n, c in zip(names, infos)
     ]
     # One checkpoint per line, so that the file reads well in a terminal and diffs well.

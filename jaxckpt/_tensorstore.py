@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt import _checksums, _kvstore, _zarr_local, _zarr_meta, _zarr_write
+from jaxckpt import _checksums, _kvstore, _refs_json, _zarr_local, _zarr_meta, _zarr_write
 from jaxckpt._errors import JaxckptError, StorageError
 from jaxckpt._format import CHECKSUMS_FILE
 from jaxckpt._in_flight import WRITE_AHEAD_BYTES, InFlight
@@ -54,6 +54,11 @@ PACK_TARGET_BYTES = 256 << 20
 # An array of its own costs its zarr.json and a shard: two objects, each over 64 MiB on average from
 # here. Local disks keep PACK_LEAF_LIMIT, where files are cheap and each array is written in place.
 BUCKET_PACK_LEAF_LIMIT = 128 << 20
+# A manager's incremental saves on a bucket store an unchanged array by reference (jaxckpt._refs),
+# which only an array of its own can be: there leaves over this go to arrays of their own, so that a
+# frozen base of 8-128 MiB weight matrices (most models) is uploaded once. Below it, an object per
+# array costs more in requests than uploading it again does.
+INCREMENTAL_BUCKET_PACK_LEAF_LIMIT = 8 << 20
 # On object stores packs are no smaller than this, so that several upload at once (see pack_target).
 BUCKET_PACK_MIN_BYTES = 64 << 20
 # Byte alignment of leaves inside a pack, as of the buffers read into: on CPU, jax aliases a
@@ -179,6 +184,9 @@ class Writer:
         self._context = _context()
         self._planned: list[tuple[str, dict[str, Any], list[tuple[Any, np.ndarray]] | _PackParts]] = []
         self._checksums: _checksums.Written = {}
+        # Arrays stored by reference to a sibling checkpoint (buckets; see jaxckpt._refs): path -> Ref.
+        self.refs: dict[str, Any] = {}
+        self.incremental = False  # a manager's incremental save (see INCREMENTAL_BUCKET_PACK_LEAF_LIMIT)
 
     @property
     def checksums(self) -> _checksums.Written:
@@ -189,8 +197,11 @@ class Writer:
         """Write the data store's checksums (:mod:`jaxckpt._checksums`), once every array is flushed."""
         if self._local is not None:
             self._local.finish(save)
-        elif self._checksums:
+            return
+        if self._checksums:
             _kvstore.kv_write(self._base, CHECKSUMS_FILE, _checksums.encode(save, self._checksums))
+        if self.refs:
+            _kvstore.kv_write(self._base, _refs_json.REFS_FILE, _refs_json.encode(save, self.refs))
 
     @property
     def local(self) -> bool:
@@ -200,7 +211,13 @@ class Writer:
     @property
     def pack_leaf_limit(self) -> int:
         """Leaves of up to this many bytes that process 0 holds go to packs (see BUCKET_PACK_LEAF_LIMIT)."""
-        return PACK_LEAF_LIMIT if self._local is not None else BUCKET_PACK_LEAF_LIMIT
+        if self._local is not None:
+            return PACK_LEAF_LIMIT
+        return (
+            min(BUCKET_PACK_LEAF_LIMIT, INCREMENTAL_BUCKET_PACK_LEAF_LIMIT)
+            if self.incremental
+            else BUCKET_PACK_LEAF_LIMIT
+        )
 
     def stored_dtype(self, dtype: np.dtype) -> str:
         """The zarr data type this writer stores an array of ``dtype`` as (see :func:`stored_dtype`)."""
@@ -235,9 +252,13 @@ class Writer:
         self._planned.append((path, sharded_metadata(shape, stored, chunks), list(parts)))
 
     def add_linked(self, path: str, shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int], links: Any) -> None:
-        """Record an array whose shards are hard links already made (local disks only; see
-        :mod:`jaxckpt._incremental`): shard number -> (the link, its chunk key, its CRC-32C)."""
-        assert self._local is not None, "links are made on local disks only"
+        """Record an array whose shards are hard links already made (local disks; see
+        :mod:`jaxckpt._incremental`): shard number -> (the link, its chunk key, its CRC-32C); on a
+        bucket, ``links`` is a reference to the sibling that holds them (:mod:`jaxckpt._refs`)."""
+        if self._local is None:
+            if links:  # none where this process holds no shard of it
+                self.refs[path] = links
+            return
         self._local.add_linked(path, shape, dtype, chunks, links)  # stored by its own name locally
 
     def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]]) -> None:

@@ -30,8 +30,8 @@ restore (damaged, or gone) falls back to the newest durable one, with a warning;
 newer than what was restored are then dropped, so that numbering continues from the restored step.
 
 **Disk pressure.** Before a local save, if the local disk has less free space than the latest
-local checkpoint takes, the local checkpoints that the durable tier already holds are dropped,
-oldest first (never the newest, nor one still being copied).
+local save wrote new (hard links aside), local checkpoints the durable tier holds are dropped,
+oldest first (never the newest, nor one being copied).
 
 **Several processes** (``jax.distributed``): each process keeps a whole copy of its own in its own
 ``local_directory`` (its regions, the packs and the index); each copies the data store it owns to
@@ -40,8 +40,7 @@ them there would have made. A restore uses the local step only if every process 
 read its own copy; otherwise every process restores the newest durable checkpoint (which also
 serves another mesh or process count).
 
-**Listing.** Each directory holds a small ``checkpoint.tiers`` file naming both, so that
-``jaxckpt ls`` on either shows the checkpoints of both tiers and where each lives.
+**Listing.** Each directory holds a ``checkpoint.tiers`` file naming both: ``jaxckpt ls`` on either shows both.
 
 **Preemption.** With ``save_on_preemption=True``, :meth:`save_if_preempted` saves to the local tier,
 starts the durable copy of that checkpoint, and waits for it only as long as
@@ -63,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _copy, _incremental, _local_tree, _multihost, _statefile, _storage
+from jaxckpt import _copy, _copy_memory, _incremental, _local_tree, _multihost, _refs, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._caller import caller_level
 from jaxckpt._checkpoint import Checkpoint
@@ -152,6 +151,7 @@ class TwoTiers(OneTier):
         self._copies = itertools.count()  # numbers the copies alike on every process (the copy thread)
         self._restores = itertools.count()  # numbers the restores' agreements alike (the caller's thread)
         self.copied: list[str] = []  # durable paths copied by this manager, oldest first
+        self._copy_memory = _copy_memory.CopyMemory() if incremental else None  # what the last copy put where
         if not options.read_only:
             # Only process 0 writes in the durable directory, which it owns: its start-up removes the
             # temp files there that it finds, and the file would name each process's local tier in turn.
@@ -183,11 +183,9 @@ class TwoTiers(OneTier):
         return path
 
     def _make_room(self) -> None:
-        """Under disk pressure (less free space on the local disk than the latest local save wrote
-        new), drop the local checkpoints that the durable tier already holds, oldest first, before
-        the next local save: the local tier caches the durable one. The newest stays, and so do
-        those not copied yet. Bytes are those of files with no other hard link (see
-        jaxckpt._incremental): what a save wrote new, and what deleting a checkpoint frees."""
+        """Under disk pressure, drop local checkpoints the durable tier holds (see the module's
+        docstring). Bytes are those of files with no other hard link: what a save wrote new, and
+        what deleting a checkpoint frees."""
         local = self._local
         if len(local._infos) < 2:
             return
@@ -257,9 +255,11 @@ class TwoTiers(OneTier):
         durable = dataclasses.replace(info, path=os.path.join(self._directory, name))
         if any(c.path == durable.path for c in self._infos):
             return  # already there (a restart that saved the same step again)
-        if not _storage.is_checkpoint(self._path / name):
-            _copy.copy_checkpoint(source, self._path / name, tag=tag)
-        self._record(durable, tag)
+        if not _storage.is_checkpoint(self._path / name):  # only what the durable tier lacks (_copy_memory)
+            uses = _copy.copy_checkpoint(source, self._path / name, tag=tag, memory=self._copy_memory)
+        else:
+            uses = _refs.uses_of(self._path / name) if self._path.local is None else ()
+        self._record(dataclasses.replace(durable, uses=uses), tag)
         self.copied.append(durable.path)
 
     def _report_failed_copy(self) -> None:

@@ -18,7 +18,12 @@ HOOK makes the process SIGKILL itself at an exact instant, the I-th time it gets
 - ``state-mid``: halfway through writing the state file's temp file;
 - ``state-before-rename``: with the new state file written and durable, before it replaces the old;
 - ``state-after-rename``: right after the new state file replaced the old (the dropped checkpoints
-  are not yet deleted).
+  are not yet deleted);
+- ``bucket-delete`` (DIRECTORY in a bucket): after a random one of the first 6 object deletions
+  inside a checkpoint's prefix (retention deleting, or pruning shared data it holds for kept ones).
+
+In a bucket (``s3://...``), leaves over 1 MiB are arrays of their own, so that the frozen ones are
+stored by reference (jaxckpt._refs) rather than packed.
 
 Without a hook the test kills it at a random instant. Lines on stdout tell the test where it is:
 ``ready`` (imported), ``resumed STEP LISTING`` (manager open and restored; LISTING is the directory
@@ -100,6 +105,23 @@ def install_hook(hook: str, at: int, rng: random.Random) -> None:
 
         os.link = link_then_die
         return
+    if hook == "bucket-delete":
+        from jaxckpt import _kvstore
+
+        real_kv_delete, real_kv_delete_all, at = _kvstore.kv_delete, _kvstore.kv_delete_all, rng.randint(1, 6)
+
+        def counted(call):
+            def delete_then_die(base, *key):
+                call(base, *key)
+                if key != (".jaxckpt-save",):  # not a save publishing
+                    seen["n"] += 1
+                    if seen["n"] == at:
+                        _die()
+
+            return delete_then_die
+
+        _kvstore.kv_delete, _kvstore.kv_delete_all = counted(real_kv_delete), counted(real_kv_delete_all)
+        return
     if hook == "retention":
         real_delete = _retention._delete_renamed
 
@@ -158,7 +180,10 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxckpt
+    from jaxckpt import _storage, _tensorstore
 
+    if args.directory.startswith(("s3://", "gs://")):
+        _tensorstore.BUCKET_PACK_LEAF_LIMIT = 1 << 20
     if args.hook != "none":
         install_hook(args.hook, args.hook_at, random.Random(args.seed))
     print("ready", flush=True)
@@ -183,7 +208,7 @@ def main() -> None:
     manager = jaxckpt.CheckpointManager(ckpt, args.directory, max_to_keep=args.keep, step_counter="step")
     manager.restore_or_initialize()
     step = int(ckpt.step)
-    print("resumed", step, json.dumps(sorted(os.listdir(args.directory))), flush=True)
+    print("resumed", step, json.dumps(_storage.children(_storage.location(args.directory))), flush=True)
     for _ in range(args.steps):
         step += 1
         ckpt.params = params(step, ckpt.params)

@@ -34,7 +34,7 @@ import pytest
 from crash_worker import frozen, layout, leaf_base, leaf_value, step_of
 
 import jaxckpt
-from jaxckpt import _statefile
+from jaxckpt import _statefile, _storage
 from jaxckpt._policies import CheckpointInfo
 
 WORKER = Path(__file__).with_name("crash_worker.py")
@@ -66,9 +66,19 @@ class Job:
     """A directory that worker runs save into, one after another, and what the last check found there."""
 
     def __init__(
-        self, directory: Path, *, leaves: int, mbytes: float, keep: int, seed: int, frozen: bool = False
+        self,
+        directory: Path | str,
+        *,
+        leaves: int,
+        mbytes: float,
+        keep: int,
+        seed: int,
+        frozen: bool = False,
+        logs: Path | None = None,
     ) -> None:
         self.directory, self.leaves, self.mbytes, self.keep = directory, leaves, mbytes, keep
+        self.logs = logs or Path(directory).parent  # the workers' stderr
+        self.bucket = isinstance(directory, str)  # s3://...: its checkpoints share data by reference
         self.frozen = frozen  # frozen leaves (see crash_worker.frozen) keep step 0's values
         self.bases = [leaf_base(i, shape) for i, shape in enumerate(layout(leaves, mbytes))]
         self.listed: list[CheckpointInfo] = []  # what the state file listed at the last check
@@ -83,7 +93,7 @@ class Job:
         args += ["--hook", hook, "--hook-at", "1", "--seed", str(self.rng.randrange(2**32))]
         args += ["--frozen"] if self.frozen else []
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        stderr = open(self.directory.parent / f"stderr-{self.runs}.txt", "w+")  # closed at the end of run()
+        stderr = open(self.logs / f"stderr-{self.runs}.txt", "w+")  # closed at the end of run()
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1, env=env)
         proc.stderr_file = stderr
         # A watchdog, so that a hung worker fails the test instead of hanging it.
@@ -146,8 +156,20 @@ class Job:
         if resumed is not None:
             step, listing = int(resumed[0]), json.loads(resumed[1])
             expected = {os.path.basename(c.path) for c in self.listed} | {"checkpoint", "checkpoint.lock"}
+            if self.bucket:  # no lock; the data of dropped checkpoints that listed ones use stays
+                expected = expected - {"checkpoint.lock"} | {u for c in self.listed for u in c.uses}
+            if self.bucket:
+                # A bucket save marks nothing unlisted: one published just before the kill, which the state
+                # file did not list yet, is complete and adopted (numbered after the listed ones), with the
+                # data it refers to.
+                last = max((int(os.path.basename(c.path).split("-")[1]) for c in self.listed), default=0)
+                adopted = {n for n in set(listing) - expected if int(n.split("-")[1]) > last}
+                later = _statefile.read_state(str(self.directory)) or []
+                held = {u for c in [*self.listed, *later] for u in c.uses}  # may be there, or not yet
+                assert {u for c in self.listed for u in c.uses} <= set(listing), f"{context}: held data lost"
+                expected = (expected | adopted | held) & set(listing) | (expected - held)
             assert set(listing) == expected, f"{context}: leftovers after the manager started: {listing}"
-            assert step == (self.listed[-1].step if self.listed else 0), context
+            assert self.bucket or step == (self.listed[-1].step if self.listed else 0), context
         listed = _statefile.read_state(str(self.directory)) or []
         for info in listed:
             self._check_whole(info, context)
@@ -186,9 +208,12 @@ class Job:
         assert run.returncode == 0 and run.lines[-1] == "done", run.stderr
         self.check(run, "final run")
         names = {os.path.basename(c.path) for c in self.listed}
-        assert sorted(os.listdir(self.directory)) == sorted(names | {"checkpoint"})
+        held = {u for c in self.listed for u in c.uses} - names
+        assert _storage.children(_storage.location(str(self.directory))) == sorted(names | held | {"checkpoint"})
         assert len(names) == self.keep
-        if self.frozen:  # the kept checkpoints share the frozen leaves' files: the kills hit saves that link
+        if self.frozen and self.bucket:  # the later ones refer to the frozen leaves' data
+            assert all(c.uses for c in self.listed[1:]), [c.uses for c in self.listed]
+        elif self.frozen:  # the kept checkpoints share the frozen leaves' files: the kills hit saves that link
             for i in (i for i in range(len(self.bases)) if frozen(i)):
                 files = [self._files(info, f"params/l{i}") for info in self.listed]
                 assert all(f == files[0] and f for f in files), f"leaf l{i} is not shared: {files}"
@@ -201,8 +226,11 @@ class Job:
         return {str(p.relative_to(folder)): p.stat().st_ino for p in folder.rglob("*") if p.is_file()}
 
 
-def random_kills(tmp_path: Path, *, trials: int, leaves: int, mbytes: float, frozen: bool = False) -> Job:
-    job = Job(tmp_path / "ckpts", leaves=leaves, mbytes=mbytes, keep=3, seed=_seed(), frozen=frozen)
+def random_kills(
+    tmp_path: Path, *, trials: int, leaves: int, mbytes: float, frozen: bool = False, directory: str | None = None
+) -> Job:
+    where = directory or tmp_path / "ckpts"
+    job = Job(where, leaves=leaves, mbytes=mbytes, keep=3, seed=_seed(), frozen=frozen, logs=tmp_path)
     first = job.run(steps=3)
     job.check(first, "first run")
     assert first.returncode == 0, first.stderr
@@ -224,10 +252,14 @@ def random_kills(tmp_path: Path, *, trials: int, leaves: int, mbytes: float, fro
     return job
 
 
-def exact_kills(tmp_path: Path, *, rounds: int, frozen: bool = False) -> Job:
-    job = Job(tmp_path / "ckpts", leaves=40, mbytes=4, keep=2, seed=_seed(), frozen=frozen)
+def exact_kills(
+    tmp_path: Path, *, rounds: int, frozen: bool = False, directory: str | None = None, hooks: list[str] | None = None
+) -> Job:
+    where = directory or tmp_path / "ckpts"
+    job = Job(where, leaves=40, mbytes=4, keep=2, seed=_seed(), frozen=frozen, logs=tmp_path)
     job.check(job.run(steps=3), "first run")  # so that the next save's retention deletes one
-    hooks = ["link", *HOOKS] if frozen else HOOKS
+    if hooks is None:
+        hooks = ["link", *HOOKS] if frozen else HOOKS
     for _ in range(rounds):
         for hook in hooks:
             run = job.run(steps=3, hook=hook)
@@ -284,3 +316,13 @@ def test_the_check_catches_a_checkpoint_of_mixed_steps(tmp_path):
         m.save()
     with pytest.raises(pytest.fail.Exception, match="leaf l3 holds the values of step 1"):
         job.check(Run(0, [], "", {}), "a crafted checkpoint")
+
+
+def test_random_kills_on_a_bucket_while_saving_and_deleting_shared_data(s3, tmp_path):
+    """Incremental saves on a bucket (moto): frozen leaves stored by reference to the checkpoint that
+    holds them, and retention deleting the checkpoints whose data kept ones use."""
+    random_kills(tmp_path, trials=4, leaves=40, mbytes=8, frozen=True, directory=s3)
+
+
+def test_kills_on_a_bucket_while_deleting_shared_data(s3, tmp_path):
+    exact_kills(tmp_path, rounds=6, frozen=True, directory=s3, hooks=["bucket-delete"])
