@@ -86,6 +86,10 @@ class BucketMemory:
     def forget(self) -> None:
         self._entries, self._restored, self._stores = {}, {}, {}
 
+    def close(self) -> None:
+        """The manager is closed: it saves no more, so it remembers nothing more."""
+        self.forget()
+
     def link(self, leaves: Mapping[str, Any], me: int, pack_limit: int) -> dict[str, Linked]:
         """The leaves that are remembered arrays, each as a reference to the shards that hold it."""
         out: dict[str, Linked] = {}
