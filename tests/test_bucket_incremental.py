@@ -115,6 +115,22 @@ def test_a_restart_refers_to_what_the_restore_returned(bucket):
     expect_restores(path, frozen, 3)
 
 
+def test_a_restart_in_tensorflows_idiom_refers_to_what_the_restore_returned(bucket):
+    # TensorFlow's restart: ckpt.restore(manager.latest_checkpoint), not a call of the manager.
+    frozen, _ = run(bucket, 2)
+    ckpt = jaxckpt.Checkpoint(step=0, base=base(), adapter=adapter(0))
+    with jaxckpt.CheckpointManager(ckpt, bucket, max_to_keep=3, step_counter="step") as manager:
+        ckpt.restore(manager.latest_checkpoint)
+        ckpt.step, ckpt.adapter = 3, adapter(3)
+        manager.save()
+        manager.wait_until_finished()
+    path = f"{bucket}/ckpt-3"
+    assert index_of(path)["version"] == 6
+    refs = _refs.decode(_storage.read_file(_storage.location(path), "data/refs.json"), "", None)
+    assert {r.checkpoint for r in refs.values()} == {"ckpt-1"}
+    expect_restores(path, frozen, 3)
+
+
 def test_delete_of_the_last_user_forgets_and_writes_again(s3):
     frozen = base()
     ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
