@@ -73,10 +73,11 @@ class BucketMemory:
     """What one bucket manager last saved or restored, in this process (see the module's docstring)."""
 
     def __init__(self, directory: _storage.Location) -> None:
-        self._directory = directory.text.rstrip("/")
+        self.directory = directory.text.rstrip("/")
         self._entries: dict[int, _Entry] = {}
         self._restored: dict[int, _Entry] = {}
         self._stores: dict[tuple[str, str], tuple[dict[str, Ref], StoreChecksums | None]] = {}
+        _incremental.watch(self)  # restores of its checkpoints outside its calls count too (TF's idiom)
 
     @staticmethod
     def uses(token: str, writers: Iterable[Any]) -> tuple[str, ...]:
@@ -88,6 +89,7 @@ class BucketMemory:
 
     def close(self) -> None:
         """The manager is closed: it saves no more, so it remembers nothing more."""
+        _incremental.unwatch(self)
         self.forget()
 
     def link(self, leaves: Mapping[str, Any], me: int, pack_limit: int) -> dict[str, Linked]:
@@ -170,7 +172,7 @@ class BucketMemory:
     def loaded(self, opened: Any, values: Mapping[str, Any]) -> None:
         """A restore's values (``_incremental.loaded``): the arrays read unchanged from a sibling in this directory."""
         index, location = opened.index, opened.location
-        if location.local is not None or index.save is None or parent(location).text.rstrip("/") != self._directory:
+        if location.local is not None or index.save is None or parent(location).text.rstrip("/") != self.directory:
             return
         for key, x in values.items():
             leaf = index.leaves.get(key)

@@ -69,13 +69,26 @@ _PROBE = 64 << 10  # bytes of a numpy array compared with its file's before any 
 # The memory of the manager whose restore call is running (Memory.restoring), and every live
 # manager's memory, told of the restores of its directory's checkpoints outside its calls.
 _RESTORING: contextvars.ContextVar[Remembers | None] = contextvars.ContextVar("jaxckpt_restoring", default=None)
-_WATCHING: weakref.WeakSet[Memory] = weakref.WeakSet()
+_WATCHING: weakref.WeakSet[Remembers] = weakref.WeakSet()
 
 
 class Remembers(Protocol):
     """A manager's memory (this module's :class:`Memory`, or a bucket's ``jaxckpt._bucket_memory``)."""
 
+    @property
+    def directory(self) -> str | None:
+        """The manager's directory: a resolved local path, or a bucket's URL without the last "/"."""
+
     def loaded(self, opened: Any, values: Mapping[str, Any]) -> None: ...
+
+
+def watch(memory: Remembers) -> None:
+    """``memory`` hears of every restore of a checkpoint in its directory (until :func:`unwatch`)."""
+    _WATCHING.add(memory)
+
+
+def unwatch(memory: Remembers) -> None:
+    _WATCHING.discard(memory)
 
 
 class Shard(NamedTuple):
@@ -145,11 +158,11 @@ class Memory:
         # The manager's directory (resolved): restores of its checkpoints outside its calls count too.
         self.directory = None if directory is None else os.path.realpath(directory)
         if directory is not None:
-            _WATCHING.add(self)
+            watch(self)
 
     def close(self) -> None:
         """The manager is closed: it saves no more, so it remembers nothing more."""
-        _WATCHING.discard(self)
+        unwatch(self)
         self._entries, self._restored, self._host = {}, {}, {}
 
     def link(self, leaves: Mapping[str, Any], staging: Path, me: int, own_copy: bool) -> dict[str, Linked]:
@@ -279,10 +292,13 @@ def loaded(opened: Any, values: Mapping[str, Any]) -> None:
     if memory is not None:
         memory.loaded(opened, values)
         return
-    folder = opened.location.local if _WATCHING else None
-    if folder is None:
+    if not _WATCHING:
         return
-    directory = os.path.dirname(os.path.realpath(folder))
+    folder = opened.location.local
+    if folder is not None:
+        directory = os.path.dirname(os.path.realpath(folder))
+    else:
+        directory = opened.location.text.rstrip("/").rsplit("/", 1)[0]
     for memory in list(_WATCHING):
         if memory.directory == directory:
             memory.loaded(opened, values)
