@@ -366,10 +366,11 @@ class LocalReader:
                 entries = _shard_index(
                     array, fd, file, plan.chunks, math.prod(chunk) * array.dtype.itemsize + CRC * array.checksum
                 )
-                numbers = [piece.number for piece in plan.pieces]
-                if len(numbers) > 1:  # a cold page cache: ask the disk for all of it at once
-                    first, last = min(entries[numbers, 0]), max(entries[numbers, 0] + entries[numbers, 1])
-                    os.posix_fadvise(fd, int(first), int(last - first), os.POSIX_FADV_WILLNEED)
+                if len(plan.pieces) > 1:
+                    # Read ahead of the chunks, in file order, twice the device's read-ahead at a time
+                    # (from a cold page cache). Not POSIX_FADV_WILLNEED: Linux reads only one read-ahead
+                    # (8 MiB here) of it at once, and a cold 1 GiB restore took 15-20% longer with it.
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 for piece in plan.pieces:
                     offset = int(entries[piece.number, 0])
                     if piece.direct:

@@ -297,6 +297,18 @@ def test_damage_in_a_middle_piece_of_an_inner_chunk_is_refused(tmp_path, small_i
     _refused(path, tree, "w", "fails its checksum")
 
 
+def test_a_shard_of_several_chunks_is_read_with_sequential_read_ahead(tmp_path, monkeypatch, small_inner_chunks):
+    """Each shard file read is marked sequential (the kernel then reads ahead twice its device's
+    read-ahead), and nothing asks POSIX_FADV_WILLNEED, of which Linux reads only one read-ahead."""
+    path, tree = _saved(tmp_path)
+    advice = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, *args: advice.append(args) or real(fd, *args))
+    _same_bits(jaxckpt.restore(path)["w"], tree["w"])
+    assert (0, 0, os.POSIX_FADV_SEQUENTIAL) in advice
+    assert not [a for a in advice if a[-1] == os.POSIX_FADV_WILLNEED]
+
+
 # --- what TensorStore alone reads ------------------------------------------------------------------
 
 
