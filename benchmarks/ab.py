@@ -9,7 +9,8 @@ alternating from one repetition to the next) its save, its restore of that save 
 again from a cold page cache), and an async save (not with ``--no-async``), each operation in a
 fresh interpreter with memory pre-touched (``benchmarks/child.py``, as ``run.py`` does). Prints
 every repetition with the load average and the CPU seconds that the rest of the machine used
-during each restore ("others": the machine is shared), then the medians, and each revision's
+during each restore ("others": the machine is shared), then the medians (with each restore's own
+CPU seconds, which depend less on what else runs), and each revision's
 restore time over the floor of the same repetition (floor / restore, the speed, in brackets) and
 its async caller's time over its save's.
 """
@@ -61,6 +62,7 @@ def main() -> None:
         def restore(name: str, op: str, src: str | None = None, row: dict = row, others: dict = others) -> None:
             done = child(op, src)
             row[name] = done["seconds"]
+            row[f"{name} CPU s"] = done["cpu_seconds"]
             others[name] = round(done.get("others_cpu_seconds", float("nan")), 2)
 
         child("floor_write_fsync")
