@@ -117,6 +117,17 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy (not idle, not waiting for I/O) since boot:
+    less this process's own, what else ran beside the measured operation."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_files(path: str) -> tuple[int, int]:
     """(files, bytes) under ``path`` (a file counts as one)."""
     if os.path.isfile(path):
@@ -342,6 +353,7 @@ def run(workdir: str, op: str, result_path: str, touch_extra: int) -> None:
         result["drop_caches_seconds"] = time.perf_counter() - t
     rss0 = reset_peak()
     cpu0 = cpu_seconds()
+    busy0 = machine_busy_seconds()
     profiler = None
     if os.environ.get("BENCH_CPROFILE"):  # set by profile_jaxckpt.py: profile the timed part only
         import cProfile
@@ -355,6 +367,8 @@ def run(workdir: str, op: str, result_path: str, touch_extra: int) -> None:
         profiler.dump_stats(os.environ["BENCH_CPROFILE"])
 
     cpu = cpu_seconds() - cpu0
+    # Busy CPU seconds of the rest of the machine during the operation (kernel I/O work included).
+    result["others_cpu_seconds"] = machine_busy_seconds() - busy0 - cpu
     hwm = _status_kib("VmHWM") * 1024
     result.update(timing)
     result.update({"cpu_seconds": cpu, "rss_start": rss0, "rss_peak": hwm})

@@ -75,9 +75,11 @@ def io_pool() -> _Pool:
         return _POOL
 
 
-def crc32c_of(view: memoryview | bytes) -> int:
-    """The CRC-32C of a buffer, read in place (hardware instruction where the CPU has one)."""
-    return int(crc32c.crc32c(view))
+def crc32c_of(view: memoryview | bytes, value: int = 0) -> int:
+    """The CRC-32C of a buffer, read in place (hardware instruction where the CPU has one); with
+    ``value``, of the bytes whose CRC-32C that is followed by the buffer's. The interpreter lock is
+    released for buffers of 32 KiB or more (the ``crc32c`` package's default)."""
+    return int(crc32c.crc32c(view, value))
 
 
 def crc_bytes(view: memoryview) -> bytes:

@@ -54,6 +54,9 @@ from jaxckpt._zarr_meta import (
 
 CRC = 4  # bytes of a CRC-32C
 _ENTRY = 16  # bytes of a shard index entry: offset and size, little-endian uint64
+# Bytes of an inner chunk read and checksummed at a time (see _read_chunk): the CRC-32C of a piece
+# just read runs on bytes still in the core's cache, about half the cost of a pass over memory.
+READ_PIECE = 1 << 20
 _EMPTY = (1 << 64) - 1  # the index entry of an absent chunk
 _ZARR_JSON_LIMIT = 1 << 20
 
@@ -179,13 +182,19 @@ def _shard_index(array: LocalArray, fd: int, file: str, chunks: int, stored_byte
 
 def _read_chunk(fd: int, into: memoryview, offset: int, checksum: bool) -> int | None:
     """Read a chunk (and its checksum) into ``into``: its CRC-32C if it was all there and matches
-    the checksum stored after it (0 where chunks carry none), else None."""
+    the checksum stored after it (0 where chunks carry none), else None. Read and checksummed
+    :data:`READ_PIECE` bytes at a time, so that each piece is checked while it is still in the
+    core's cache (a pass over a whole 8 MiB chunk afterwards reads it from memory again)."""
     if not checksum:
         return 0 if os.preadv(fd, [into], offset) == len(into) else None
     stored = bytearray(CRC)
-    if os.preadv(fd, [into, stored], offset) != len(into) + CRC:
-        return None
-    crc = crc32c_of(into)
+    crc, size = 0, len(into)
+    for start in range(0, size or 1, READ_PIECE):
+        piece = into[start : start + READ_PIECE]
+        last = start + READ_PIECE >= size
+        if os.preadv(fd, [piece, stored] if last else [piece], offset + start) != len(piece) + CRC * last:
+            return None
+        crc = crc32c_of(piece, crc)
     return crc if struct.pack("<I", crc) == stored else None
 
 
@@ -357,10 +366,11 @@ class LocalReader:
                 entries = _shard_index(
                     array, fd, file, plan.chunks, math.prod(chunk) * array.dtype.itemsize + CRC * array.checksum
                 )
-                numbers = [piece.number for piece in plan.pieces]
-                if len(numbers) > 1:  # a cold page cache: ask the disk for all of it at once
-                    first, last = min(entries[numbers, 0]), max(entries[numbers, 0] + entries[numbers, 1])
-                    os.posix_fadvise(fd, int(first), int(last - first), os.POSIX_FADV_WILLNEED)
+                if len(plan.pieces) > 1:
+                    # Read ahead of the chunks, in file order, twice the device's read-ahead at a time
+                    # (from a cold page cache). Not POSIX_FADV_WILLNEED: Linux reads only one read-ahead
+                    # (8 MiB here) of it at once, and a cold 1 GiB restore took 15-20% longer with it.
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 for piece in plan.pieces:
                     offset = int(entries[piece.number, 0])
                     if piece.direct:

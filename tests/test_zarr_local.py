@@ -220,6 +220,95 @@ def test_a_flipped_byte_in_a_packed_leaf_names_that_leaf(tmp_path, small_inner_c
     _refused(path, tree, "small", "checksum")
 
 
+# --- inner chunks read and checksummed in pieces --------------------------------------------------
+
+
+@pytest.fixture
+def small_read_pieces(monkeypatch):
+    """Inner chunks read and checksummed 100 bytes at a time: a 1 KiB chunk is 10 pieces and a short
+    one, none of them aligned to its elements."""
+    monkeypatch.setattr(_zarr_local, "READ_PIECE", 100)
+
+
+def _chunk_file(tmp_path: Path, data: bytes, stored: bytes | None = None) -> int:
+    """A file of 7 bytes, then ``data`` and its CRC-32C (or ``stored``), opened for reading."""
+    file = tmp_path / "chunk"
+    file.write_bytes(b"x" * 7 + data + (_zarr_local.crc_bytes(memoryview(data)) if stored is None else stored))
+    return os.open(file, os.O_RDONLY)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 100, 1024, 1027, 1 << 20])
+@pytest.mark.parametrize("size", [0, 1, 1024, 1027])
+def test_a_chunk_read_in_pieces_has_the_crc_of_the_whole(tmp_path, monkeypatch, piece, size):
+    monkeypatch.setattr(_zarr_local, "READ_PIECE", piece)
+    data = np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
+    fd = _chunk_file(tmp_path, data)
+    into = np.full(size, 0xAA, np.uint8)
+    try:
+        crc = _zarr_local._read_chunk(fd, memoryview(into), 7, True)
+    finally:
+        os.close(fd)
+    assert crc == _zarr_local.crc32c_of(data) and into.tobytes() == data
+
+
+@pytest.mark.parametrize("where", [0, 99, 100, 550, 1000, 1023, "checksum"])
+def test_a_flipped_byte_in_any_piece_of_a_chunk_fails_its_checksum(tmp_path, small_read_pieces, where):
+    data = bytearray(np.random.default_rng(3).integers(0, 256, 1024, np.uint8).tobytes())
+    stored = bytearray(_zarr_local.crc_bytes(memoryview(bytes(data))))
+    if where == "checksum":
+        stored[3] ^= 0x40
+    else:
+        data[where] ^= 0x01
+    fd = _chunk_file(tmp_path, bytes(data), bytes(stored))
+    try:
+        assert _zarr_local._read_chunk(fd, memoryview(bytearray(1024)), 7, True) is None
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("keep", [7, 8, 7 + 100, 7 + 550, 7 + 1023, 7 + 1024, 7 + 1027])
+def test_a_chunk_cut_short_in_any_piece_is_not_read(tmp_path, small_read_pieces, keep):
+    """A file that ends inside the chunk or its checksum (shrunk after its index was checked)."""
+    data = np.random.default_rng(4).integers(0, 256, 1024, np.uint8).tobytes()
+    fd = _chunk_file(tmp_path, data)
+    os.truncate(tmp_path / "chunk", keep)
+    try:
+        assert _zarr_local._read_chunk(fd, memoryview(bytearray(1024)), 7, True) is None
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (1009, 8), (7, 1013)])
+def test_arrays_read_in_pieces_of_odd_sizes(tmp_path, small_packs, small_inner_chunks, small_read_pieces, shape):
+    values = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    path = Path(jaxckpt.save(tmp_path / "c", {"w": values}))
+    _same_bits(jaxckpt.restore(path)["w"], values)
+    assert _verify.verify(str(path)).ok
+
+
+@pytest.mark.parametrize("at", [0, 150, 1020, "its checksum"])
+def test_damage_in_a_middle_piece_of_an_inner_chunk_is_refused(tmp_path, small_inner_chunks, small_read_pieces, at):
+    path, tree = _saved(tmp_path)
+    (shard,) = _shards(_folder(path, "w"))
+    offset, size = _entries(shard, 4)[2]
+    raw = bytearray(shard.read_bytes())
+    raw[int(offset) + (int(size) - 1 if at == "its checksum" else at)] ^= 0x10
+    shard.write_bytes(bytes(raw))
+    _refused(path, tree, "w", "fails its checksum")
+
+
+def test_a_shard_of_several_chunks_is_read_with_sequential_read_ahead(tmp_path, monkeypatch, small_inner_chunks):
+    """Each shard file read is marked sequential (the kernel then reads ahead twice its device's
+    read-ahead), and nothing asks POSIX_FADV_WILLNEED, of which Linux reads only one read-ahead."""
+    path, tree = _saved(tmp_path)
+    advice = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, *args: advice.append(args) or real(fd, *args))
+    _same_bits(jaxckpt.restore(path)["w"], tree["w"])
+    assert (0, 0, os.POSIX_FADV_SEQUENTIAL) in advice
+    assert not [a for a in advice if a[-1] == os.POSIX_FADV_WILLNEED]
+
+
 # --- what TensorStore alone reads ------------------------------------------------------------------
 
 
