@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("revs", nargs=2, help="two git revisions of jaxckpt (e.g. main HEAD)")
     parser.add_argument("--workload", default="many", choices=run.wl.WORKLOADS + run.wl.EXTRA_WORKLOADS)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--naive-floor", action="store_true", help="also the naive floor: one device_put per array")
     parser.add_argument("--work", default=os.path.join(HERE, ".work"))
     args = parser.parse_args()
     work = os.path.abspath(args.work)
@@ -51,6 +52,8 @@ def main() -> None:
         row = {"load": os.getloadavg()[0]}
         child("floor_write_fsync")
         row["floor"] = child("floor_read_put")["seconds"]
+        if args.naive_floor:
+            row["naive floor"] = child("floor_read_put_each")["seconds"]
         for rev in args.revs if rep % 2 == 0 else args.revs[::-1]:
             row[f"{rev} save"] = child("jaxckpt_save", srcs[rev])["seconds"]
             row[f"{rev} restore"] = child("jaxckpt_restore", srcs[rev])["seconds"]
@@ -60,6 +63,9 @@ def main() -> None:
         for k, v in row.items():
             rows.setdefault(k, []).append(v)
     print("medians:", json.dumps({k: round(statistics.median(v), 4) for k, v in rows.items()}))
+    leaves = len(spec["leaves"])
+    per_leaf = {k: round(statistics.median(v) / leaves * 1e6, 2) for k, v in rows.items() if k != "load"}
+    print(f"median us per leaf ({leaves:,} leaves):", json.dumps(per_leaf))
     for rev in args.revs:
         restore = statistics.median(a / b for a, b in zip(rows[f"{rev} restore"], rows["floor"]))
         blocks = statistics.median(a / b for a, b in zip(rows[f"{rev} async blocks"], rows[f"{rev} save"]))
