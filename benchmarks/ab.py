@@ -56,7 +56,11 @@ def main() -> None:
             row["naive floor"] = child("floor_read_put_each")["seconds"]
         for rev in args.revs if rep % 2 == 0 else args.revs[::-1]:
             row[f"{rev} save"] = child("jaxckpt_save", srcs[rev])["seconds"]
-            row[f"{rev} restore"] = child("jaxckpt_restore", srcs[rev])["seconds"]
+            done = child("jaxckpt_restore", srcs[rev])
+            row[f"{rev} restore"], row[f"{rev} restore MiB"] = (
+                done["seconds"],
+                (done["rss_peak"] - done["rss_start"]) / 2**20,
+            )
             done = child("jaxckpt_async_save", srcs[rev])
             row[f"{rev} async blocks"], row[f"{rev} async total"] = done["blocking"], done["seconds"]
         print(json.dumps({k: round(v, 4) for k, v in row.items()}), flush=True)
@@ -64,7 +68,11 @@ def main() -> None:
             rows.setdefault(k, []).append(v)
     print("medians:", json.dumps({k: round(statistics.median(v), 4) for k, v in rows.items()}))
     leaves = len(spec["leaves"])
-    per_leaf = {k: round(statistics.median(v) / leaves * 1e6, 2) for k, v in rows.items() if k != "load"}
+    per_leaf = {
+        k: round(statistics.median(v) / leaves * 1e6, 2)
+        for k, v in rows.items()
+        if k != "load" and not k.endswith("MiB")
+    }
     print(f"median us per leaf ({leaves:,} leaves):", json.dumps(per_leaf))
     for rev in args.revs:
         restore = statistics.median(a / b for a, b in zip(rows[f"{rev} restore"], rows["floor"]))
