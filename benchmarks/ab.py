@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("revs", nargs=2, help="two git revisions of jaxckpt (e.g. main HEAD)")
     parser.add_argument("--workload", default="many", choices=run.wl.WORKLOADS + run.wl.EXTRA_WORKLOADS)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--naive-floor", action="store_true", help="also the naive floor: one device_put per array")
     parser.add_argument("--work", default=os.path.join(HERE, ".work"))
     parser.add_argument("--cold", action="store_true", help="also restore (and read the floor) from a cold page cache")
     parser.add_argument("--no-async", action="store_true", help="leave out the async save")
@@ -63,11 +64,14 @@ def main() -> None:
             done = child(op, src)
             row[name] = done["seconds"]
             row[f"{name} CPU s"] = done["cpu_seconds"]
+            row[f"{name} MiB"] = (done["rss_peak"] - done["rss_start"]) / 2**20  # extra peak memory
             others[name] = round(done.get("others_cpu_seconds", float("nan")), 2)
 
         child("floor_write_fsync")
         for cold in colds:
             restore(f"floor{cold}", "floor_read_put" + cold.replace(" ", "_"))
+        if args.naive_floor:
+            row["naive floor"] = child("floor_read_put_each")["seconds"]
         for rev in args.revs if rep % 2 == 0 else args.revs[::-1]:
             row[f"{rev} save"] = child("jaxckpt_save", srcs[rev])["seconds"]
             for cold in colds:
@@ -79,6 +83,13 @@ def main() -> None:
         for k, v in row.items():
             rows.setdefault(k, []).append(v)
     print("medians:", json.dumps({k: round(statistics.median(v), 4) for k, v in rows.items()}))
+    leaves = len(spec["leaves"])
+    per_leaf = {
+        k: round(statistics.median(v) / leaves * 1e6, 2)
+        for k, v in rows.items()
+        if k != "load" and not k.endswith("MiB")
+    }
+    print(f"median us per leaf ({leaves:,} leaves):", json.dumps(per_leaf))
     for rev in args.revs:
         said = []
         for cold in colds:

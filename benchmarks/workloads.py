@@ -21,8 +21,10 @@ import numpy as np
 # Bump when the generated data or the specs change, so cached data files are rebuilt.
 GENERATOR_VERSION = 3
 WORKLOADS = ("large", "many", "sharded", "train_state")
-# Chosen by name only (--workloads huge), not part of a full run: 100,000 leaves (issue 14).
-EXTRA_WORKLOADS = ("huge",)
+# Chosen by name only (--workloads huge), not part of a full run: 100,000 leaves (issue 14), and
+# 10,000 / 300,000 / 1,000,000 leaves of 16 float32 each (issue 28: time per leaf as leaves grow).
+TINY = {"tiny10k": 10_000, "tiny300k": 300_000, "tiny1m": 1_000_000}
+EXTRA_WORKLOADS = ("huge", *TINY)
 
 SAVE_MESH = (4, 2)
 RESTORE_MESH = (2, 4)
@@ -79,6 +81,11 @@ def _many(quick: bool, blocks: int | None = None) -> list[dict[str, Any]]:
     return leaves
 
 
+def _tiny(count: int) -> list[dict[str, Any]]:
+    """``count`` leaves of 16 float32 (64 bytes) in blocks of 10: per-array cost, nothing else."""
+    return [_leaf(f"b{i // 10:06d}/w{i % 10}", (16,)) for i in range(count)]
+
+
 def _sharded(quick: bool) -> list[dict[str, Any]]:
     shape = (512, 1024) if quick else (4096, 4096)  # 8 x 2 MiB, or 8 x 64 MiB = 512 MiB
     return [_leaf(f"w{i}", shape, spec=SHARDED_SPECS[i % len(SHARDED_SPECS)]) for i in range(8)]
@@ -132,7 +139,7 @@ def _train_state(quick: bool) -> list[dict[str, Any]]:
 
 def make_spec(name: str, quick: bool) -> dict[str, Any]:
     makers = {"large": _large, "many": _many, "huge": _huge, "sharded": _sharded, "train_state": _train_state}
-    leaves = makers[name](quick)
+    leaves = _tiny(TINY[name] // (100 if quick else 1)) if name in TINY else makers[name](quick)
     offset = 0
     for leaf in leaves:
         leaf["nbytes"] = int(np.prod(leaf["shape"], dtype=np.int64)) * np.dtype(leaf["dtype"]).itemsize
@@ -160,6 +167,11 @@ def leaf_values(spec: dict[str, Any], i: int) -> np.ndarray:
 
 def write_data(spec: dict[str, Any], path: str) -> None:
     tmp = path + ".tmp"
+    if spec["workload"] in TINY:  # one generator for all: a million seeded ones take minutes
+        rng = np.random.default_rng([GENERATOR_VERSION, len(spec["leaves"])])
+        rng.standard_normal(len(spec["leaves"]) * 16, dtype=np.float32).tofile(tmp)
+        os.replace(tmp, path)
+        return
     with open(tmp, "wb") as f:
         for i in range(len(spec["leaves"])):
             leaf_values(spec, i).tofile(f)
@@ -173,6 +185,9 @@ def load_spec(directory: str) -> dict[str, Any]:
 
 def read_leaves(spec: dict[str, Any], data_path: str) -> list[np.ndarray]:
     """Every leaf as its own numpy array (its own allocation), read from the data file."""
+    if spec["workload"] in TINY:  # a million reads would take longer than the measured operation
+        flat = np.fromfile(data_path, dtype=np.float32).reshape(len(spec["leaves"]), 16)
+        return [row.copy() for row in flat]
     out = []
     with open(data_path, "rb") as f:
         for leaf in spec["leaves"]:

@@ -50,6 +50,7 @@ from jaxckpt._format import (
     is_scalar_type,
     prng_key_data_shape,
 )
+from jaxckpt._index_leaves import parse_leaves
 from jaxckpt._tree import CHECKPOINT as CHECKPOINT_KIND
 from jaxckpt._tree import NodeInfo, child_keys, describe, gc_paused, is_node_kind
 
@@ -198,9 +199,11 @@ def decode_index(data: bytes, where: str) -> Index:
     nodes = _parse_nodes(_get(body, "nodes", dict, where), where)
     packs = [_parse_pack(p, version, f"{where} packs[{i}]") for i, p in enumerate(_get(body, "packs", list, where))]
     meshes = _parse_meshes(body, where) if version >= 3 else []
-    leaves = {}
-    for key, raw in _get(body, "leaves", dict, where).items():
-        leaves[key] = _parse_leaf(raw, packs, meshes, version, _LeafWhere(where, key))
+
+    def full(key: str, raw: Any) -> Leaf:
+        return _parse_leaf(raw, packs, meshes, version, _LeafWhere(where, key))
+
+    leaves = parse_leaves(_get(body, "leaves", dict, where), packs, version, full)
     _check_graph(nodes, leaves, where)
     metadata = body.get("metadata", {})
     if not isinstance(metadata, dict):

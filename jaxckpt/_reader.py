@@ -244,18 +244,14 @@ class Opened:
     def _check_backed(
         self, keys: list[str], stores: set[str], plans: Mapping[str, list[RegionPlan]] | None = None
     ) -> None:
-        """Before any buffer is allocated: the data stores ``stores`` (those the read will use) hold
-        at least the bytes the index claims.
+        """Before any buffer is allocated: the data stores ``stores`` (the read's) hold the bytes the index claims.
 
         Chunks are stored uncompressed (the codecs are checked on open) and every chunk is written
-        (format version 2), so a store holds at least the bytes of the values in it. A crafted index
+        (format version 2), so a store holds at least the bytes of the values in it: a crafted index
         that claims a 64 GiB array in a 1 MB checkpoint is refused here, not by running out of memory.
-        Local folders only: TensorStore lists object stores without sizes. With ``plans`` (the regions
-        a read takes of each array), an array claims the bytes of the parts read, not all it has in a
-        store: a process's own copy (a two-tier manager's local tier) holds only the regions it had.
-        From version 4 a read claims too the index and checksums of every shard file it touches
-        (:func:`jaxckpt._read_plan.files_overhead`), so that the shards and chunks it plans one by one
-        are bounded by the bytes held as well.
+        Local folders only (TensorStore lists object stores without sizes). With ``plans`` (the regions
+        a read takes of each array), an array claims the parts read (a two-tier manager's local copy holds
+        only its regions); from version 4, also the index and checksums of each shard file it touches.
         """
         if self.index.version < 2 or self.location.local is None or not keys:
             return
@@ -267,15 +263,16 @@ class Opened:
         overhead: dict[str, int] = defaultdict(int)
         largest: dict[str, tuple[int, str]] = {}
         packs: set[int] = set()
+        packed, top, top_key = 0, -1, ""  # bytes of packed leaves counted in short, the largest and its key
         for key in keys:
             leaf = self.index.leaves[key]
             assert isinstance(leaf, ArrayLeaf)
             at = _in_store(leaf)
             extra: dict[str, int] = {}
-            if isinstance(at, InPack) and (not sharded or at.pack in packs):  # as below, in short (many leaves)
-                if leaf.nbytes:
-                    claims[DATA_DIR] += leaf.nbytes
-                    largest[DATA_DIR] = max(largest.get(DATA_DIR, (-1, "")), (leaf.nbytes, key))
+            if type(at) is InPack and (not sharded or at.pack in packs):  # as below, in short (many leaves)
+                packed += at.nbytes  # the leaf's size (the index is refused where they differ)
+                if at.nbytes > top or (at.nbytes == top and key > top_key):
+                    top, top_key = at.nbytes, key
                 continue
             if isinstance(at, InArray):
                 boxes: dict[str, list[Box]] = defaultdict(list)
@@ -310,6 +307,9 @@ class Opened:
                 claims[store] += nbytes
                 overhead[store] += more
                 largest[store] = max(largest.get(store, (-1, "")), (nbytes + more, key))
+        if packed:
+            claims[DATA_DIR] += packed
+            largest[DATA_DIR] = max(largest.get(DATA_DIR, (-1, "")), (top, top_key))
         for store in claims:
             claimed, more = claims[store], overhead[store]
             held = self._stored_bytes.get(store)
