@@ -199,10 +199,7 @@ def decode_index(data: bytes, where: str) -> Index:
     nodes = _parse_nodes(_get(body, "nodes", dict, where), where)
     packs = [_parse_pack(p, version, f"{where} packs[{i}]") for i, p in enumerate(_get(body, "packs", list, where))]
     meshes = _parse_meshes(body, where) if version >= 3 else []
-
-    def full(key: str, raw: Any) -> Leaf:
-        return _parse_leaf(raw, packs, meshes, version, _LeafWhere(where, key))
-
+    full = lambda key, raw: _parse_leaf(raw, packs, meshes, version, _LeafWhere(where, key))  # noqa: E731
     leaves = parse_leaves(_get(body, "leaves", dict, where), packs, version, full)
     _check_graph(nodes, leaves, where)
     metadata = body.get("metadata", {})
