@@ -200,6 +200,27 @@ def test_incremental_saves_across_processes_link_each_process_s_own_shards(tmp_p
             np.testing.assert_array_equal(restored["state"][name], value, err_msg=f"{n} {name}")
 
 
+def test_incremental_saves_across_processes_on_a_bucket_refer_to_each_process_s_own_shards(s3):
+    # On a bucket an array of its own that each process saved or restored is a reference in that
+    # process's data store; leaves of 8 MiB or less that process 0 holds whole are packed and written.
+    ok(run("manager-incremental", s3, nproc=2, ndev=2, mesh="2x2"), "manager-incremental")
+    from jaxckpt import _refs_json, _storage
+
+    for n in ("ckpt-2", "ckpt-3"):
+        where = _storage.location(f"{s3}/{n}")
+        index = json.loads(_storage.read_file(where, "index.json"))
+        assert index["version"] == 6, n
+        rows = index["leaves"]["state/rows"]["at"]["array"]
+        for store in ("data", "data.p1"):  # each process's shards of "rows", referred to by that process
+            refs = _refs_json.decode(_storage.read_file(where, f"{store}/refs.json"), "", None)
+            assert set(refs) == {rows} and refs[rows].checkpoint == "ckpt-1" and refs[rows].store == store, (n, store)
+    rng = np.random.default_rng(7)  # the worker's values
+    rng.standard_normal((64, 48))
+    rows = rng.standard_normal((512, 640)).astype(np.float32)
+    for n in ("ckpt-1", "ckpt-2", "ckpt-3"):
+        np.testing.assert_array_equal(jaxckpt.restore(f"{s3}/{n}")["state"]["rows"], rows, err_msg=n)
+
+
 def test_a_save_one_process_fails_before_its_token_fails_everywhere_and_the_next_works(tmp_path):
     # Before: the others went on and waited at a barrier, and the failed process's save counter lagged
     # behind, so every later save waited for a token of another save until the barrier timeout.
