@@ -143,8 +143,16 @@ class BucketMemory:
         return Ref(folder.name, store, array, save, shards) if shards else None
 
     def refs(self, leaves: Mapping[str, Any], pack_limit: int) -> dict[str, weakref.ref[jax.Array]]:
-        """Weak references to the array leaves that may be arrays of their own, for :meth:`remember`."""
-        return {k: weakref.ref(x) for k, x in leaves.items() if isinstance(x, jax.Array) and x.nbytes > pack_limit}
+        """Weak references to the array leaves that may be arrays of their own, for :meth:`remember`:
+        those over ``pack_limit``, and with several processes any that process 0 does not hold whole
+        (never packed, whatever its size: see :func:`plan`)."""
+        several = jax.process_count() > 1
+        return {
+            k: weakref.ref(x)
+            for k, x in leaves.items()
+            if isinstance(x, jax.Array)
+            and (x.nbytes > pack_limit or (several and {process_of(d) for d in owners(x).values()} != {0}))
+        }
 
     def remember(
         self,

@@ -210,15 +210,19 @@ def test_incremental_saves_across_processes_on_a_bucket_refer_to_each_process_s_
         where = _storage.location(f"{s3}/{n}")
         index = json.loads(_storage.read_file(where, "index.json"))
         assert index["version"] == 6, n
-        rows = index["leaves"]["state/rows"]["at"]["array"]
-        for store in ("data", "data.p1"):  # each process's shards of "rows", referred to by that process
+        # "rows" and "xy" are sharded over both processes: arrays of their own, however small
+        arrays = {index["leaves"][f"state/{k}"]["at"]["array"] for k in ("rows", "xy")}
+        for store in ("data", "data.p1"):  # each process's shards, referred to by that process
             refs = _refs_json.decode(_storage.read_file(where, f"{store}/refs.json"), "", None)
-            assert set(refs) == {rows} and refs[rows].checkpoint == "ckpt-1" and refs[rows].store == store, (n, store)
+            assert set(refs) == arrays, (n, store)
+            assert {(r.checkpoint, r.store) for r in refs.values()} == {("ckpt-1", store)}, (n, store)
     rng = np.random.default_rng(7)  # the worker's values
-    rng.standard_normal((64, 48))
+    xy = rng.standard_normal((64, 48)).astype(np.float32)
     rows = rng.standard_normal((512, 640)).astype(np.float32)
     for n in ("ckpt-1", "ckpt-2", "ckpt-3"):
-        np.testing.assert_array_equal(jaxckpt.restore(f"{s3}/{n}")["state"]["rows"], rows, err_msg=n)
+        restored = jaxckpt.restore(f"{s3}/{n}")["state"]
+        np.testing.assert_array_equal(restored["rows"], rows, err_msg=n)
+        np.testing.assert_array_equal(restored["xy"], xy, err_msg=n)
 
 
 def test_a_save_one_process_fails_before_its_token_fails_everywhere_and_the_next_works(tmp_path):
