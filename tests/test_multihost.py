@@ -172,7 +172,8 @@ def test_incremental_saves_across_processes_link_each_process_s_own_shards(tmp_p
     ok(run("manager-incremental", tmp_path, nproc=2, ndev=2, mesh="2x2"), "manager-incremental")
     names = ["ckpt-1", "ckpt-2", "ckpt-3"]
     index = json.loads((tmp_path / "ckpt-1" / "index.json").read_text())
-    for key in ("state/rows", "state/cols", "state/replicated"):  # over 1 MiB: remembered, so linked
+    # over 1 MiB, or sharded over both processes (never packed): remembered, so linked
+    for key in ("state/rows", "state/cols", "state/replicated", "state/xy"):
         array = index["leaves"][key]["at"]["array"]
         files = [
             {
@@ -184,7 +185,7 @@ def test_incremental_saves_across_processes_link_each_process_s_own_shards(tmp_p
         ]
         assert files[0] and all(f.keys() == files[0].keys() for f in files), (key, files)
         stores = {name.split("/")[0] for name in files[0]}
-        assert stores == ({"data", "data.p1"} if key == "state/rows" else {"data"}), (key, stores)
+        assert stores == ({"data", "data.p1"} if key in ("state/rows", "state/xy") else {"data"}), (key, stores)
         for name, first in files[0].items():  # written once, by the process that owns the shard
             assert all(f[name].st_ino == first.st_ino for f in files[1:]) and first.st_nlink == 3, (key, name)
     rng = np.random.default_rng(7)  # the worker's values
