@@ -143,16 +143,8 @@ class BucketMemory:
         return Ref(folder.name, store, array, save, shards) if shards else None
 
     def refs(self, leaves: Mapping[str, Any], pack_limit: int) -> dict[str, weakref.ref[jax.Array]]:
-        """Weak references to the array leaves that may be arrays of their own, for :meth:`remember`:
-        those over ``pack_limit``, and with several processes any that process 0 does not hold whole
-        (never packed, whatever its size: see :func:`plan`)."""
-        several = jax.process_count() > 1
-        return {
-            k: weakref.ref(x)
-            for k, x in leaves.items()
-            if isinstance(x, jax.Array)
-            and (x.nbytes > pack_limit or (several and {process_of(d) for d in owners(x).values()} != {0}))
-        }
+        """Weak references to the array leaves that may be arrays of their own, for :meth:`remember`."""
+        return _incremental.arrays_of_their_own(leaves, pack_limit)
 
     def remember(
         self,

@@ -5,9 +5,9 @@
 that a restore of one of its checkpoints returned, still holds those values. Restores are told to
 :func:`loaded`: through the manager's own calls, whatever checkpoint they read; otherwise (TF's
 ``ckpt.restore(manager.latest_checkpoint)``, ``jaxckpt.restore``, a child assigned later) only a
-checkpoint directly in a live manager's directory, whose files no one but that manager changes (a
-checkpoint elsewhere is never linked from: another program may rewrite its files in place). :class:`Memory` (one per manager
-tier, per process) remembers, for each large array leaf of the last save or restore, a weak
+checkpoint directly in a live manager's directory (one elsewhere is never linked from: another
+program may rewrite its files in place). :class:`Memory` (one per manager tier, per process)
+remembers, for each array of its own (:func:`arrays_of_their_own`) of the last save or restore, a weak
 reference to it (never a strong one: that would pin its device memory) and where this process's
 shards of it are on disk: each file and the CRC-32C of its inner chunks (from the save that wrote
 them, or the restored checkpoint's ``checksums.json``). At the next save a leaf that ``is`` such an
@@ -17,12 +17,10 @@ is another object is written. Packed (small) leaves are always written.
 
 **numpy arrays** are mutable, so only their content tells: a large one (not packed) of the same
 key, shape, dtype and shards as the last save wrote (or a restore read, as above) is compared, in
-the caller's thread, with those files: its first 64 KiB with the file's (an array changed
-everywhere costs just that), then the CRC-32C of each inner chunk (which that save computed as it
-wrote them: no cost then; a restored checkpoint's ``checksums.json``), in order, stopping at the first that differs (a change anywhere, found without reading the
-file); only if every CRC matches are all the bytes compared with the file's (a CRC is no
-identity), and then the files are linked and the array is neither copied nor written. Only where
-host values are written: process 0, or every process that writes its own copy (two tiers).
+the caller's thread, with those files: its first 64 KiB, then the CRC-32C of each inner chunk
+(which that save computed as it wrote them; a restored checkpoint's ``checksums.json``), stopping at the first that differs; only
+if every CRC matches are all the bytes compared (a CRC is no identity), and then the files are
+linked. Only where host values are written: process 0, or each process writing its own copy.
 
 **Linking, crash-safely.** :meth:`Memory.link` runs in the caller's thread, in the save's snapshot
 (while the array is surely alive): it hard-links every remembered file into the save's staging
@@ -30,12 +28,11 @@ folder under a temporary name (:data:`LINKS`). If any link fails (the source del
 meanwhile, another file system, no hard links there) those of the array are removed and the array
 is taken and written as any other. The background then renames each link to its place ``a/<n>/c/...``
 (:meth:`jaxckpt._zarr_write.LocalWriter.add_linked`), writes a fresh ``zarr.json``, and lists the
-old CRCs in the new ``checksums.json`` (the bytes are the same). Nothing is visible before the
-atomic publish, which fsyncs every folder; a crash leaves a staging folder that the next manager
-removes. Each checkpoint stays a whole folder that any reader opens as before, and deleting the
-checkpoint that first wrote the data leaves it alive in the others (the link count).
+old CRCs in the new ``checksums.json``. Nothing is visible before the atomic publish; a crash
+leaves a staging folder that the next manager removes. Each checkpoint stays a whole folder, and
+deleting the one that first wrote the data leaves it alive in the others (the link count).
 
-Only local disks: buckets and the durable copies of two tiers are written in full.
+Buckets refer to the data instead (``jaxckpt._bucket_memory``), as do two tiers' durable copies.
 """
 
 from __future__ import annotations
@@ -218,8 +215,7 @@ class Memory:
 
     def refs(self, leaves: Mapping[str, Any]) -> dict[str, weakref.ref[jax.Array]]:
         """Weak references to the array leaves that may get files of their own, for :meth:`remember`."""
-        limit = _tensorstore.PACK_LEAF_LIMIT
-        return {k: weakref.ref(x) for k, x in leaves.items() if isinstance(x, jax.Array) and x.nbytes > limit}
+        return arrays_of_their_own(leaves, _tensorstore.PACK_LEAF_LIMIT)
 
     def remember(
         self,
@@ -282,6 +278,19 @@ class Memory:
     def restoring(self) -> contextlib.AbstractContextManager[None]:
         """Remember what the restores inside return."""
         return restoring(self)
+
+
+def arrays_of_their_own(leaves: Mapping[str, Any], pack_limit: int) -> dict[str, weakref.ref[jax.Array]]:
+    """Weak references to the ``jax.Array`` leaves that a save may store as arrays of their own: those
+    over ``pack_limit``, and with several processes any that process 0 does not hold whole (never
+    packed, whatever its size)."""
+    several = jax.process_count() > 1
+    return {
+        k: weakref.ref(x)
+        for k, x in leaves.items()
+        if isinstance(x, jax.Array)
+        and (x.nbytes > pack_limit or (several and {process_of(d) for d in owners(x).values()} != {0}))
+    }
 
 
 def loaded(opened: Any, values: Mapping[str, Any]) -> None:
