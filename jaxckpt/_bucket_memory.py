@@ -26,7 +26,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
-from jaxckpt import _incremental, _storage, _tensorstore
+from jaxckpt import _memories, _storage, _tensorstore
 from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import JaxckptError
 from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray, data_store
@@ -77,7 +77,7 @@ class BucketMemory:
         self._entries: dict[int, _Entry] = {}
         self._restored: dict[int, _Entry] = {}
         self._stores: dict[tuple[str, str], tuple[dict[str, Ref], StoreChecksums | None]] = {}
-        _incremental.watch(self)  # restores of its checkpoints outside its calls count too (TF's idiom)
+        _memories.watch(self)  # restores of its checkpoints outside its calls count too (TF's idiom)
 
     @staticmethod
     def uses(token: str, writers: Iterable[Any]) -> tuple[str, ...]:
@@ -89,7 +89,7 @@ class BucketMemory:
 
     def close(self) -> None:
         """The manager is closed: it saves no more, so it remembers nothing more."""
-        _incremental.unwatch(self)
+        _memories.unwatch(self)
         self.forget()
 
     def link(self, leaves: Mapping[str, Any], me: int, pack_limit: int) -> dict[str, Linked]:
@@ -144,7 +144,7 @@ class BucketMemory:
 
     def refs(self, leaves: Mapping[str, Any], pack_limit: int) -> dict[str, weakref.ref[jax.Array]]:
         """Weak references to the array leaves that may be arrays of their own, for :meth:`remember`."""
-        return _incremental.arrays_of_their_own(leaves, pack_limit)
+        return _memories.arrays_of_their_own(leaves, pack_limit)
 
     def remember(
         self,
@@ -170,27 +170,19 @@ class BucketMemory:
         self._entries, self._restored, self._stores = entries, {}, {}
 
     def loaded(self, opened: Any, values: Mapping[str, Any]) -> None:
-        """A restore's values (``_incremental.loaded``): the arrays read unchanged from a sibling in this directory."""
+        """A restore's values (``_memories.loaded``): the arrays read unchanged from a sibling in this directory."""
         index, location = opened.index, opened.location
         if location.local is not None or index.save is None or parent(location).text.rstrip("/") != self.directory:
             return
         for key, x in values.items():
             leaf = index.leaves.get(key)
-            if (
-                isinstance(x, jax.Array)
-                and isinstance(leaf, ArrayLeaf)
-                and isinstance(leaf.at, InArray)
-                and leaf.at.chunks is not None
-                and not leaf.prng_impl
-                and x.dtype == leaf.dtype
-                and tuple(x.shape) == tuple(leaf.shape)
-            ):
+            if _memories.read_as_stored(x, leaf):
                 restored = (location, leaf.at.path, index.save, index.version)
                 self._restored[id(x)] = _Entry(weakref.ref(x), tuple(leaf.at.chunks), leaf.at.stored, restored=restored)
 
     def restoring(self) -> contextlib.AbstractContextManager[None]:
         """Remember what the restores inside return."""
-        return _incremental.restoring(self)
+        return _memories.restoring(self)
 
 
 def memory_for(path: _storage.Location) -> Memory | BucketMemory | None:

@@ -7,7 +7,7 @@ that a restore of one of its checkpoints returned, still holds those values. Res
 ``ckpt.restore(manager.latest_checkpoint)``, ``jaxckpt.restore``, a child assigned later) only a
 checkpoint directly in a live manager's directory (one elsewhere is never linked from: another
 program may rewrite its files in place). :class:`Memory` (one per manager tier, per process)
-remembers, for each array of its own (:func:`arrays_of_their_own`) of the last save or restore, a weak
+remembers, for each array of its own (:func:`jaxckpt._memories.arrays_of_their_own`) of the last save or restore, a weak
 reference to it (never a strong one: that would pin its device memory) and where this process's
 shards of it are on disk: each file and the CRC-32C of its inner chunks (from the save that wrote
 them, or the restored checkpoint's ``checksums.json``). At the next save a leaf that ``is`` such an
@@ -38,20 +38,19 @@ Buckets refer to the data instead (``jaxckpt._bucket_memory``), as do two tiers'
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import ctypes
 import dataclasses
 import json
 import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from jaxckpt import _tensorstore
+from jaxckpt import _memories, _tensorstore
 from jaxckpt._checksums import StoreChecksums
 from jaxckpt._errors import JaxckptError
 from jaxckpt._format import CHECKSUMS_FILE, DATA_DIR, JAX, NUMPY, ArrayLeaf, InArray, data_store
@@ -63,29 +62,6 @@ from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK, inner_chunks, shards_of
 
 _CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json read to find CRCs
 _PROBE = 64 << 10  # bytes of a numpy array compared with its file's before any CRC (_same_content)
-# The memory of the manager whose restore call is running (Memory.restoring), and every live
-# manager's memory, told of the restores of its directory's checkpoints outside its calls.
-_RESTORING: contextvars.ContextVar[Remembers | None] = contextvars.ContextVar("jaxckpt_restoring", default=None)
-_WATCHING: weakref.WeakSet[Remembers] = weakref.WeakSet()
-
-
-class Remembers(Protocol):
-    """A manager's memory (this module's :class:`Memory`, or a bucket's ``jaxckpt._bucket_memory``)."""
-
-    @property
-    def directory(self) -> str | None:
-        """The manager's directory: a resolved local path, or a bucket's URL without the last "/"."""
-
-    def loaded(self, opened: Any, values: Mapping[str, Any]) -> None: ...
-
-
-def watch(memory: Remembers) -> None:
-    """``memory`` hears of every restore of a checkpoint in its directory (until :func:`unwatch`)."""
-    _WATCHING.add(memory)
-
-
-def unwatch(memory: Remembers) -> None:
-    _WATCHING.discard(memory)
 
 
 class Shard(NamedTuple):
@@ -155,11 +131,11 @@ class Memory:
         # The manager's directory (resolved): restores of its checkpoints outside its calls count too.
         self.directory = None if directory is None else os.path.realpath(directory)
         if directory is not None:
-            watch(self)
+            _memories.watch(self)
 
     def close(self) -> None:
         """The manager is closed: it saves no more, so it remembers nothing more."""
-        unwatch(self)
+        _memories.unwatch(self)
         self._entries, self._restored, self._host = {}, {}, {}
 
     def link(self, leaves: Mapping[str, Any], staging: Path, me: int, own_copy: bool) -> dict[str, Linked]:
@@ -215,7 +191,7 @@ class Memory:
 
     def refs(self, leaves: Mapping[str, Any]) -> dict[str, weakref.ref[jax.Array]]:
         """Weak references to the array leaves that may get files of their own, for :meth:`remember`."""
-        return arrays_of_their_own(leaves, _tensorstore.PACK_LEAF_LIMIT)
+        return _memories.arrays_of_their_own(leaves, _tensorstore.PACK_LEAF_LIMIT)
 
     def remember(
         self,
@@ -261,70 +237,13 @@ class Memory:
             ):
                 where = (Path(folder), leaf.at.path, index.save)
                 self._host[key] = _Host(tuple(leaf.shape), tuple(leaf.at.chunks), leaf.at.stored, None, where)
-            elif (
-                isinstance(x, jax.Array)
-                and isinstance(leaf, ArrayLeaf)
-                and isinstance(leaf.at, InArray)
-                and leaf.at.chunks is not None
-                and not leaf.prng_impl
-                and x.dtype == leaf.dtype
-                and tuple(x.shape) == tuple(leaf.shape)
-            ):
-                ref = weakref.ref(x)
-                self._restored[id(x)] = _Entry(
-                    ref, tuple(leaf.at.chunks), leaf.at.stored, restored=(Path(folder), leaf.at.path, index.save)
-                )
+            elif _memories.read_as_stored(x, leaf):
+                ref, at = weakref.ref(x), leaf.at
+                self._restored[id(x)] = _Entry(ref, at.chunks, at.stored, restored=(Path(folder), at.path, index.save))
 
     def restoring(self) -> contextlib.AbstractContextManager[None]:
         """Remember what the restores inside return."""
-        return restoring(self)
-
-
-def arrays_of_their_own(leaves: Mapping[str, Any], pack_limit: int) -> dict[str, weakref.ref[jax.Array]]:
-    """Weak references to the ``jax.Array`` leaves that a save may store as arrays of their own: those
-    over ``pack_limit``, and with several processes any that process 0 does not hold whole (never
-    packed, whatever its size)."""
-    several = jax.process_count() > 1
-    return {
-        k: weakref.ref(x)
-        for k, x in leaves.items()
-        if isinstance(x, jax.Array)
-        and (x.nbytes > pack_limit or (several and {process_of(d) for d in owners(x).values()} != {0}))
-    }
-
-
-def loaded(opened: Any, values: Mapping[str, Any]) -> None:
-    """Every load's values (by ``jaxckpt._reader``): remembered by the manager whose restore call
-    reads them, or else by each live manager whose directory holds the checkpoint (see the module's
-    docstring)."""
-    memory = _RESTORING.get()
-    if memory is not None:
-        memory.loaded(opened, values)
-        return
-    if not _WATCHING:
-        return
-    folder = opened.location.local
-    if folder is not None:
-        directory = os.path.dirname(os.path.realpath(folder))
-    else:
-        directory = opened.location.text.rstrip("/").rsplit("/", 1)[0]
-    for memory in list(_WATCHING):
-        if memory.directory == directory:
-            memory.loaded(opened, values)
-
-
-def restoring(memory: Remembers | None) -> contextlib.AbstractContextManager[None]:
-    """``memory`` remembers what the restores inside return (nothing without a memory)."""
-    return contextlib.nullcontext() if memory is None else _restoring(memory)
-
-
-@contextlib.contextmanager
-def _restoring(memory: Remembers) -> Iterator[None]:
-    token = _RESTORING.set(memory)
-    try:
-        yield
-    finally:
-        _RESTORING.reset(token)
+        return _memories.restoring(self)
 
 
 def _written(dest: Path, leaf: ArrayLeaf, writers: Mapping[str, Any]) -> dict[tuple[str, int], Shard]:

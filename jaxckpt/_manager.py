@@ -34,8 +34,8 @@ from typing import Any
 
 from jaxckpt import (
     _bucket_memory,
-    _incremental,
     _lock,
+    _memories,
     _multihost,
     _retention,
     _run_metadata,
@@ -180,7 +180,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._background.wait()
         latest = self._infos[-1].path if self._infos else None
         if latest is not None:
-            with _incremental.restoring(self._memory):
+            with _memories.restoring(self._memory):
                 self._checkpoint.restore(latest)
             self._restored()
             return latest
@@ -292,7 +292,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
                 + ("" if step is None else f" of step {step}; its kept steps are {[c.step for c in self._infos]}")
                 + ". Save one first, or restore from another directory."
             )
-        with _incremental.restoring(self._memory):
+        with _memories.restoring(self._memory):
             status = self._checkpoint.restore(matches[-1].path)
         self._restored()
         return status

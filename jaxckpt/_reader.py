@@ -19,7 +19,7 @@ import crc32c
 import jax
 import numpy as np
 
-from jaxckpt import _format, _formats, _incremental, _local_tree, _refs, _storage, _tensorstore_read, _zarr_local
+from jaxckpt import _format, _formats, _local_tree, _memories, _refs, _storage, _tensorstore_read, _zarr_local
 from jaxckpt._checksums import StoreChecksums, checksums_limit
 from jaxckpt._errors import (
     CheckpointCorruptedError,
@@ -50,7 +50,7 @@ from jaxckpt._tree import PathLike, describe
 # Called once the host data of a load is read (with its error, or None), before arrays are placed on
 # devices: a two-tier manager's local restore agrees there that every process could read its own copy
 # (placing arrays may take every process, through JAX's collectives). Every load's values go to
-# jaxckpt._incremental.loaded, so that a manager's next save knows which arrays are its checkpoint's.
+# jaxckpt._memories.loaded, so that a manager's next save knows which arrays are its checkpoint's.
 AFTER_READ: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxckpt_after_read", default=None)
 # The arrays of one data store opened for reading: key -> TensorStore array.
 _StoreArrays = dict[str, Any]
@@ -185,7 +185,7 @@ class Opened:
         if to_device:  # one call for all: per-call overhead dominates for thousands of small leaves
             arrays = put_all([v for _, v, _ in to_device], [s for _, _, s in to_device])
             out.update(zip([k for k, _, _ in to_device], arrays))
-        _incremental.loaded(self, out)
+        _memories.loaded(self, out)
         return {key: out[key] for key in wanted}
 
     def exists(self) -> bool:

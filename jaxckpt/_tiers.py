@@ -62,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt import _copy, _copy_memory, _incremental, _local_tree, _multihost, _refs, _statefile, _storage
+from jaxckpt import _copy, _copy_memory, _local_tree, _memories, _multihost, _refs, _statefile, _storage
 from jaxckpt._async import Background
 from jaxckpt._caller import caller_level
 from jaxckpt._checkpoint import Checkpoint
@@ -365,7 +365,7 @@ class TwoTiers(OneTier):
         for i, info in enumerate(tried):
             local = i + 1 < len(tried)
             try:
-                with _incremental.restoring(self._local._memory):  # the local tier's saves link from it
+                with _memories.restoring(self._local._memory):  # the local tier's saves link from it
                     status = self._restore_from(info, agree=local and _multihost.process_count() > 1)
             except JaxckptError as error:  # damaged, gone or unreadable: the durable tier may still serve
                 if not local:
