@@ -142,10 +142,6 @@ class BucketMemory:
             return None
         return Ref(folder.name, store, array, save, shards) if shards else None
 
-    def refs(self, leaves: Mapping[str, Any], pack_limit: int) -> dict[str, weakref.ref[jax.Array]]:
-        """Weak references to the array leaves that may be arrays of their own, for :meth:`remember`."""
-        return _memories.arrays_of_their_own(leaves, pack_limit)
-
     def remember(
         self,
         dest: _storage.Location,

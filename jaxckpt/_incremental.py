@@ -189,10 +189,6 @@ class Memory:
                 return None
         return out
 
-    def refs(self, leaves: Mapping[str, Any]) -> dict[str, weakref.ref[jax.Array]]:
-        """Weak references to the array leaves that may get files of their own, for :meth:`remember`."""
-        return _memories.arrays_of_their_own(leaves, _tensorstore.PACK_LEAF_LIMIT)
-
     def remember(
         self,
         dest: Path,

@@ -33,6 +33,7 @@ from jaxckpt._format import (
 )
 from jaxckpt._gc_pause import gc_paused, pause
 from jaxckpt._index_json import encode_index
+from jaxckpt._memories import arrays_of_their_own
 from jaxckpt._snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, whole
 from jaxckpt._snapshot import owners as _owners
 from jaxckpt._snapshot import region as _region
@@ -249,10 +250,8 @@ def _prepare(
         if taken is not None and linked:  # in leaf order, as every process records them
             taken = {k: linked[k] if k in linked else taken[k] for k in flat.leaves}
         p = Prepared(os.fspath(path), dest, staging, token, overwrite, records, flat, taken, own_copy=own_copy)
-        if isinstance(memory, BucketMemory):
-            p.memory, p.refs = memory, memory.refs(flat.leaves, writer.pack_leaf_limit)
-        elif memory is not None:
-            p.memory, p.refs = memory, memory.refs(flat.leaves)
+        if memory is not None:  # what the next save may link or refer to
+            p.memory, p.refs = memory, arrays_of_their_own(flat.leaves, writer.pack_leaf_limit)
         if p.taken is None:  # over the budget: recorded, and written out in parts, here
             taker = Taker(me, own_copy, eager=True, pack_limit=writer.pack_leaf_limit)
             check_live_and_copy(rest)
