@@ -61,6 +61,7 @@ from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, numpy_dty
 from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK, inner_chunks, shards_of
 
 _CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json read to find CRCs
+_Read = dict[tuple[Path, str], StoreChecksums | None]  # a data store's checksums, by (folder, save)
 _PROBE = 64 << 10  # bytes of a numpy array compared with its file's before any CRC (_same_content)
 
 
@@ -143,10 +144,11 @@ class Memory:
         out: dict[str, Linked] = {}
         if not (self._entries or self._restored or self._host):
             return out
+        read: _Read = {}  # the checksums.json of each restored data store, read once in this save
         for key, x in leaves.items():
             if isinstance(x, np.ndarray):
                 host = self._host.get(key) if me == 0 or own_copy else None  # who writes it
-                if host is not None and (same := _link_host(x, host, staging, len(out))) is not None:
+                if host is not None and (same := _link_host(x, host, staging, len(out), read)) is not None:
                     out[key] = same
                 continue
             entry = self._entries.get(id(x)) or self._restored.get(id(x))
@@ -157,7 +159,7 @@ class Memory:
             planned = plan(x, me, own_copy)
             if planned is None or planned[0] != entry.chunks or entry.stored != np.dtype(x.dtype).name:
                 continue
-            sources = self._sources(entry, planned[1])
+            sources = self._sources(entry, planned[1], read)
             if sources is not None:
                 meta = json.dumps(metadata(x.shape, entry.stored, entry.chunks, np.dtype(x.dtype).itemsize)).encode()
                 linked = _link_all(sources, planned[1], staging, len(out), meta)
@@ -165,7 +167,9 @@ class Memory:
                     out[key] = Linked(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), planned[0], linked)
         return out
 
-    def _sources(self, entry: _Entry, wanted: Mapping[tuple[str, int], str]) -> dict[tuple[str, int], Shard] | None:
+    def _sources(
+        self, entry: _Entry, wanted: Mapping[tuple[str, int], str], read: _Read
+    ) -> dict[tuple[str, int], Shard] | None:
         """Where each wanted shard is, or None if one is not known."""
         if entry.shards is not None:
             found = {k: entry.shards[k] for k in wanted if k in entry.shards}
@@ -181,7 +185,7 @@ class Memory:
             # the save restored, so a checkpoint saved at that path since is not linked from.
             for name in [store, *(n for n in names if n != store)]:
                 if name not in stores:
-                    stores[name] = _checksums_of(folder / name, array, save)
+                    stores[name] = _checksums_of(folder / name, array, save, read)
                 if number in stores[name]:
                     out[(store, number)] = Shard(str(folder / name / array / key), stores[name][number])
                     break
@@ -257,7 +261,7 @@ def _written(dest: Path, leaf: ArrayLeaf, writers: Mapping[str, Any]) -> dict[tu
     return shards
 
 
-def _link_host(x: np.ndarray, host: _Host, staging: Path, n: int) -> Linked | None:
+def _link_host(x: np.ndarray, host: _Host, staging: Path, n: int, read: _Read) -> Linked | None:
     """Links to the files of a numpy array whose content is that of ``host`` (see the module's
     docstring), or None: it is written."""
     shape, dtype = tuple(x.shape), x.dtype
@@ -267,7 +271,7 @@ def _link_host(x: np.ndarray, host: _Host, staging: Path, n: int) -> Linked | No
     chunks = tuple(_tensorstore.chunk_shape(shape, shape, dtype.itemsize))
     if chunks != host.chunks:
         return None
-    known = host.shards if host.shards is not None else _restored_shards(host)
+    known = host.shards if host.shards is not None else _restored_shards(host, read)
     inner, keys, sources = inner_chunk_shape(chunks, dtype.itemsize), {}, {}
     for number, position, data in shards_of(shape, dtype, chunks, [(whole(shape), x)]):
         shard = known.get((DATA_DIR, number))
@@ -284,12 +288,12 @@ def _link_host(x: np.ndarray, host: _Host, staging: Path, n: int) -> Linked | No
     return None if links is None else Linked(stand_in, chunks, links, NUMPY)
 
 
-def _restored_shards(host: _Host) -> dict[tuple[str, int], Shard]:
+def _restored_shards(host: _Host, read: _Read) -> dict[tuple[str, int], Shard]:
     """The shard files of a restored numpy array, with the CRCs its checkpoint lists for the save restored."""
     assert host.restored is not None
     folder, array, save = host.restored
     grid = [-(-n // s) for n, s in zip(host.shape, host.chunks)]
-    crcs = _checksums_of(folder / DATA_DIR, array, save)
+    crcs = _checksums_of(folder / DATA_DIR, array, save, read)
     out = {}
     for number, c in crcs.items():
         position = [int(i) for i in np.unravel_index(number, grid)]
@@ -360,15 +364,21 @@ def _listdir(folder: Path) -> list[str]:
         return []
 
 
-def _checksums_of(store: Path, array: str, save: str) -> dict[int, tuple[int, ...]]:
-    """The CRCs of ``array``'s shards that data store ``store`` lists for save ``save`` (none if unreadable)."""
+def _checksums_of(store: Path, array: str, save: str, read: _Read) -> dict[int, tuple[int, ...]]:
+    """The CRCs of ``array``'s shards that data store ``store`` lists for save ``save`` (none if
+    unreadable). ``read``: the stores' checksums read so far in this save, each file read once."""
+    if (store, save) not in read:
+        try:
+            with open(store / CHECKSUMS_FILE, "rb") as f:
+                data = f.read(_CHECKSUMS_LIMIT + 1)
+            big = len(data) > _CHECKSUMS_LIMIT
+            read[(store, save)] = None if big else StoreChecksums(data, repr(str(store / CHECKSUMS_FILE)), save)
+        except (OSError, JaxckptError):
+            read[(store, save)] = None
+    sums = read[(store, save)]
     try:
-        with open(store / CHECKSUMS_FILE, "rb") as f:
-            data = f.read(_CHECKSUMS_LIMIT + 1)
-        if len(data) > _CHECKSUMS_LIMIT:
-            return {}
-        return StoreChecksums(data, repr(str(store / CHECKSUMS_FILE)), save).of_array(array)
-    except (OSError, JaxckptError):
+        return sums.of_array(array) if sums is not None else {}
+    except JaxckptError:
         return {}
 
 
