@@ -34,10 +34,11 @@ from jaxckpt._format import (
 from jaxckpt._gc_pause import gc_paused, pause
 from jaxckpt._index_json import encode_index
 from jaxckpt._memories import arrays_of_their_own
-from jaxckpt._snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, whole
+from jaxckpt._snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, take_leaves, whole
 from jaxckpt._snapshot import owners as _owners
 from jaxckpt._snapshot import region as _region
-from jaxckpt._tree import Flat, PathLike, describe, flatten
+from jaxckpt._structure import flatten_saved
+from jaxckpt._tree import Flat, PathLike, describe
 from jaxckpt._version import __version__
 
 
@@ -223,7 +224,7 @@ def _prepare(
 ) -> Prepared:
     dest = _storage.location(path)
     keys = _staging.check_writable(dest, overwrite)  # in an object store: what is there, listed once
-    flat = flatten(root)
+    flat = flatten_saved(root)
     me = _multihost.process_index()
     if own_copy and dest.local is None:
         raise ValueError(f"A process's own copy goes to its local disk, not to {dest.text!r}.")
@@ -246,7 +247,8 @@ def _prepare(
         else:
             memory = None
         rest = {k: x for k, x in flat.leaves.items() if k not in linked} if linked else flat.leaves
-        taken = _take(rest, me, own_copy, limit, writer.pack_leaf_limit)
+        not_arrays = flat.not_arrays if rest is flat.leaves else None
+        taken = take_leaves(rest, me, own_copy, limit, writer.pack_leaf_limit, not_arrays)
         if taken is not None and linked:  # in leaf order, as every process records them
             taken = {k: linked[k] if k in linked else taken[k] for k in flat.leaves}
         p = Prepared(os.fspath(path), dest, staging, token, overwrite, records, flat, taken, own_copy=own_copy)
@@ -283,19 +285,6 @@ def _pack_target(flat: Flat, pack_limit: int) -> int:
         if nbytes <= pack_limit:
             largest = max(largest, nbytes)
     return _tensorstore.pack_target(total, largest)
-
-
-def _take(leaves: dict[str, Any], me: int, own_copy: bool, budget: int, pack_limit: int) -> dict[str, Any] | None:
-    """Every leaf taken (see :class:`Taker`), or None if the copies would outgrow ``budget``."""
-    taker = Taker(me, own_copy, eager=False, pack_limit=pack_limit)
-    taken = taker.take_all(leaves, budget)
-    if taken is None:
-        return None
-    if taker.later:
-        if taker.copied + taker.later_bytes() > budget:
-            return None
-        taker.finish()
-    return taken
 
 
 class _Records:

@@ -190,12 +190,23 @@ class Taker:
         # quickest) where jax exports numpy's own dtypes, else np.asarray (bfloat16, float8...).
         self._dtypes: dict[Any, Callable[[Any], Any]] = {}
 
-    def take_all(self, leaves: dict[str, Any], budget: int) -> dict[str, Any] | None:
+    def take_all(
+        self, leaves: dict[str, Any], budget: int, not_arrays: list[str] | None = None
+    ) -> dict[str, Any] | None:
         """Every leaf taken, or None as soon as the copies pass ``budget`` bytes. An array on process
         0's CPU device is taken as just a view of its buffer (a memoryview or an ndarray; its record
         is that of a jax.Array on one device): the cheapest snapshot there is, and the common case
-        of many small leaves."""
-        taken: dict[str, Any] = {}
+        of many small leaves. ``not_arrays``: the keys of the leaves that are not jax's ArrayImpl,
+        where known (:func:`jaxckpt._structure.flatten_saved`): then the arrays are viewed in one pass."""
+        views = self._views(leaves, not_arrays) if not_arrays is not None and self.me == 0 else None
+        if views is not None:
+            taken = dict(zip(leaves, views))
+            for key in not_arrays or ():
+                taken[key] = self.take(key, leaves[key])
+                if self.copied > budget:
+                    return None
+            return taken
+        taken = {}
         by_id, local_cpu, dtypes, primary = self._by_id, self._local_cpu, self._dtypes, self.me == 0
         for key, x in leaves.items():
             if isinstance(x, jax.Array) and primary:
@@ -225,6 +236,24 @@ class Taker:
             if self.copied > budget:
                 return None
         return taken
+
+    @staticmethod
+    def _views(leaves: dict[str, Any], not_arrays: list[str]) -> list[Any] | None:
+        """A memoryview of every array's one buffer (a placeholder for the other leaves), made in
+        one pass in C; None if any array has none (several shards, on an accelerator, a dtype that
+        Python's buffers lack, deleted), and then every leaf is taken one by one, as usual.
+
+        jax exports a buffer only for an array of one shard in host memory, in its numpy dtype (it
+        refuses bfloat16 and the like), so each view is the array's whole data as it is stored."""
+        arrays = leaves
+        if not_arrays:
+            arrays = leaves.copy()
+            for key in not_arrays:
+                arrays[key] = b""
+        try:
+            return list(map(memoryview, arrays.values()))  # type: ignore[arg-type]
+        except (BufferError, TypeError, RuntimeError):
+            return None
 
     def take(self, key: str, x: Any) -> Any:
         """A ValueLeaf, or an array leaf's ``[container, prng impl, array, host data, bytes copied]``."""
@@ -320,6 +349,21 @@ class Taker:
         # What is left to know of the array: holding it would keep its device memory (the caller's
         # old state, on an accelerator) until the background is done with the host copies.
         item[2] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def take_leaves(
+    leaves: dict[str, Any], me: int, own_copy: bool, budget: int, pack_limit: int, not_arrays: list[str] | None
+) -> dict[str, Any] | None:
+    """Every leaf taken (see :class:`Taker`), or None if the copies would outgrow ``budget``."""
+    taker = Taker(me, own_copy, eager=False, pack_limit=pack_limit)
+    taken = taker.take_all(leaves, budget, not_arrays)
+    if taken is None:
+        return None
+    if taker.later:
+        if taker.copied + taker.later_bytes() > budget:
+            return None
+        taker.finish()
+    return taken
 
 
 def whole(shape: tuple[int, ...]) -> tuple[slice, ...]:

@@ -231,7 +231,7 @@ def decompose(x: Any, prefix: str = "") -> _Node | None:
         return _Node(NodeInfo(CHECKPOINT, _class_name(x), tuple(names)), list(kids.values()), rebuild_checkpoint)
     if is_nnx_node(x):
         return _decompose_nnx(x, prefix)
-    if _is_nnx_state(x):
+    if is_nnx_state(x):
         return _decompose_nnx_state(x, prefix)
     if is_state_object(x):
         return None
@@ -299,7 +299,7 @@ def _decompose_nnx(x: Any, prefix: str) -> _Node:
     return _Node(NodeInfo(NNX, _class_name(x), tuple(keys)), list(pure.values()), update_in_place)
 
 
-def _is_nnx_state(x: Any) -> bool:
+def is_nnx_state(x: Any) -> bool:
     nnx = _nnx()
     return nnx is not None and isinstance(x, nnx.State)
 
@@ -335,6 +335,8 @@ class Flat:
     _first: dict[int, str] = dataclasses.field(default_factory=dict, repr=False)
     # A dict's keys -> its node's info and edges: the dicts of a model's layers share them, made once.
     _dicts: dict[tuple[Any, ...], tuple[NodeInfo, list[str]]] = dataclasses.field(default_factory=dict, repr=False)
+    # Keys of the leaves that are not jax's ArrayImpl, where known (jaxckpt._structure): the rest are arrays.
+    not_arrays: list[str] | None = None
 
 
 def flatten(root: Any, prefix: str = "") -> Flat:
@@ -351,7 +353,7 @@ def flatten(root: Any, prefix: str = "") -> Flat:
 
 # Types whose objects are leaves as they are (flatten and rebuild file them at once, not through decompose);
 # jax's array type is added when met. A ShapeDtypeStruct is a restore's template.
-_PLAIN_LEAVES: set[type] = {np.ndarray, type(None), bool, int, float, str, jax.ShapeDtypeStruct}
+PLAIN_LEAVES: set[type] = {np.ndarray, type(None), bool, int, float, str, jax.ShapeDtypeStruct}
 
 
 def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
@@ -359,7 +361,7 @@ def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
     # cycle (function -> cell -> function) holding ``flat``, so every leaf would outlive the save
     # until the garbage collector ran.
     t = type(x)
-    if t in _PLAIN_LEAVES:
+    if t in PLAIN_LEAVES:
         flat.leaves[key] = x
         return
     if t is dict:  # as decompose makes it, without what only rebuild needs (the cost of many nodes)
@@ -379,7 +381,7 @@ def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
         if node is None:
             flat.leaves[key] = x
             if type(x) is t and isinstance(x, jax.Array) and t.__module__.partition(".")[0] in ("jax", "jaxlib"):
-                _PLAIN_LEAVES.add(t)
+                PLAIN_LEAVES.add(t)
             return
         info, children = node.info, node.children
         child_keys_ = child_keys(key, info)
@@ -397,7 +399,7 @@ def _walk(x: Any, key: str, flat: Flat, path: set[int]) -> None:
     path.add(id(x))
     flat.nodes[key] = info
     for child_key, child in zip(child_keys_, children):
-        if type(child) in _PLAIN_LEAVES:
+        if type(child) in PLAIN_LEAVES:
             flat.leaves[child_key] = child
         else:
             _walk(child, child_key, flat, path)
@@ -444,7 +446,7 @@ def rebuild(
     new = []
     for c, k in zip(node.children, child_keys(prefix, node.info)):
         t = type(c)
-        if t in _PLAIN_LEAVES:  # a leaf, as the call below finds (10,000 calls less)
+        if t in PLAIN_LEAVES:  # a leaf, as the call below finds (10,000 calls less)
             if t is jax.ShapeDtypeStruct and k not in values:
                 _placeholders.append(k)
             new.append(values.get(k, c))

@@ -2,6 +2,7 @@
 
 import os
 import re
+import threading
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -131,3 +132,20 @@ def bucket(request, monkeypatch):
         request.getfixturevalue("gcs_proxy")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")
     return f"{request.param}://{BUCKET}/{name}"
+
+
+@pytest.fixture
+def held_background(monkeypatch):
+    """The background part of a save waits for ``gate``: the caller's state can change meanwhile."""
+    from jaxckpt import _save
+
+    gate = threading.Event()
+    real = _save.write_and_publish
+
+    def gated(prepared):
+        assert gate.wait(60), "the test never released the background save"
+        return real(prepared)
+
+    monkeypatch.setattr(_save, "write_and_publish", gated)
+    yield gate
+    gate.set()

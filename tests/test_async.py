@@ -175,23 +175,6 @@ def test_host_memory_stays_within_the_budget(tmp_path):
     assert len(jaxckpt.list_variables(tmp_path / "c")) == 8
 
 
-@pytest.fixture
-def held_background(monkeypatch):
-    """The background part of a save waits for ``gate``: the caller's state can change meanwhile."""
-    from jaxckpt import _save
-
-    gate = threading.Event()
-    real = _save.write_and_publish
-
-    def gated(prepared):
-        assert gate.wait(60), "the test never released the background save"
-        return real(prepared)
-
-    monkeypatch.setattr(_save, "write_and_publish", gated)
-    yield gate
-    gate.set()
-
-
 def test_the_caller_only_snapshots_records_packs_and_index_are_made_in_the_background(tmp_path, monkeypatch):
     """Issue 14: the per-leaf work (records, packing with its CRC-32s, the index) is not the caller's."""
     from jaxckpt import _save

@@ -1,0 +1,200 @@
+"""A save's quick flatten (jaxckpt._structure): a tree with the structure of the last one flattened in
+full gets exactly the keys, nodes and leaves that the full flatten gives it, and every change of
+structure is seen. Then the saves a training loop makes, through the one-pass views of its arrays."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxckpt
+from jaxckpt import _snapshot, _structure, _tree
+from jaxckpt._errors import UnsupportedValueError
+
+
+@pytest.fixture(autouse=True)
+def nothing_remembered():
+    _structure.forget()
+    yield
+    _structure.forget()
+
+
+def arrays(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal((3, 2)).astype(np.float32)) for _ in range(n)]
+
+
+def as_full_flatten(root):
+    """The quick flatten of ``root`` twice (the second from what the first remembered) is the full one."""
+    full = _tree.flatten(root)
+    for _ in range(2):
+        quick = _structure.flatten_saved(root)
+        assert quick.nodes == full.nodes
+        assert list(quick.leaves) == list(full.leaves)
+        assert all(a is b for a, b in zip(quick.leaves.values(), full.leaves.values()))
+        assert quick.aliases == full.aliases
+    return quick
+
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+def trees():
+    a = arrays(8)
+    params = {"l1": {"kernel": a[0], "bias": a[1]}, "l2": {"kernel": a[2], "bias": a[3]}}
+    yield "dicts", params
+    yield "training state", {
+        "params": params,
+        "opt_state": optax.adam(1e-3).init(params),  # a tuple of namedtuples, with an EmptyState
+        "step": 7,
+        "note": "text",
+        "lr": 0.5,
+        "done": False,
+        "nothing": None,
+        "host": np.arange(3.0),
+        "scalar": np.float32(2.0),
+        "key": jax.random.key(1),
+    }
+    yield "lists and tuples", [a[0], (a[1], [a[2]], ()), [], {}, Pair(a[3], (a[4],))]
+    yield "int keys", {0: a[0], "0": a[1], 1: {"x": a[2]}, "~/": a[3], "": a[4]}
+    yield "nnx.State", nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    yield "nnx.Variable", {"w": nnx.Param(a[5]), "tree": nnx.Param({"u": a[6]})}
+    yield "Checkpoint", jaxckpt.Checkpoint(params=params, step=3, inner=jaxckpt.Checkpoint(w=a[7]))
+
+
+@pytest.mark.parametrize(("name", "root"), list(trees()), ids=[name for name, _ in trees()])
+def test_a_tree_seen_before_flattens_as_in_full(name, root):
+    quick = as_full_flatten(root)
+    assert _structure._last is not None, "the structure was not remembered"
+    expected = [k for k, x in quick.leaves.items() if type(x).__name__ != "ArrayImpl"]
+    assert quick.not_arrays == expected
+
+
+def test_the_same_keys_in_another_order_give_that_order():
+    a = arrays(3)
+    first = {"b": a[0], "a": {"y": a[1], "x": a[2]}}
+    as_full_flatten(first)
+    again = jax.tree.map(lambda x: x + 1, first)  # jax rebuilds dicts with sorted keys
+    assert list(again) == ["a", "b"]
+    flat = as_full_flatten(again)
+    assert flat.nodes[""].keys == ("a", "b") and flat.nodes["a"].keys == ("x", "y")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: {**t, "new": t["w"]},  # a key more
+        lambda t: {"renamed": t["w"], "sub": t["sub"]},  # a key renamed
+        lambda t: {"w": {"inner": t["w"]}, "sub": t["sub"]},  # a leaf became a dict
+        lambda t: {"w": t["w"], "sub": tuple(t["sub"])},  # a list became a tuple
+        lambda t: {"w": t["w"], "sub": Pair(*t["sub"])},  # a tuple became a namedtuple
+        lambda t: {"w": t["w"], "sub": [*t["sub"], 1]},  # a list grew
+        lambda t: {"w": 3, "sub": t["sub"]},  # an array became an int
+    ],
+    ids=["key added", "key renamed", "leaf to dict", "list to tuple", "tuple to namedtuple", "list grew", "array to int"],
+)
+def test_a_changed_structure_is_flattened_in_full(change):
+    a = arrays(3)
+    tree = {"w": a[0], "sub": [a[1], a[2]]}
+    as_full_flatten(tree)
+    changed = change(tree)
+    assert as_full_flatten(changed).nodes == _tree.flatten(changed).nodes
+
+
+@pytest.mark.parametrize("key", [True, 1.0], ids=["bool", "float"])
+def test_a_key_equal_to_a_remembered_int_key_is_still_refused(key):
+    a = arrays(1)
+    as_full_flatten({"d": {1: a[0]}})
+    with pytest.raises(UnsupportedValueError, match="key"):
+        _structure.flatten_saved({"d": {key: a[0]}})
+
+
+def test_a_cycle_in_a_tree_like_a_remembered_one_is_refused_as_a_cycle():
+    a = arrays(1)
+    as_full_flatten({"a": {"b": {"c": a[0]}}})
+    inner = {"c": a[0]}
+    inner["c"] = inner
+    with pytest.raises(UnsupportedValueError, match="contains itself"):
+        _structure.flatten_saved({"a": {"b": inner}})
+
+
+def test_a_checkpoint_met_twice_is_an_alias_as_in_full():
+    shared = jaxckpt.Checkpoint(w=arrays(1)[0])
+    flat = as_full_flatten(jaxckpt.Checkpoint(x=shared, y=shared))
+    assert flat.aliases == {"y": "x"}
+
+
+# --- the saves of a training loop ---------------------------------------------------------------
+
+
+@pytest.fixture
+def views(monkeypatch):
+    """How often the snapshot viewed every array in one pass (Taker._views gave views)."""
+    seen = []
+    real = _snapshot.Taker._views
+
+    def spy(leaves, not_arrays):
+        out = real(leaves, not_arrays)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_snapshot.Taker, "_views", staticmethod(spy))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_second_async_save_holds_what_the_call_saw(tmp_path, held_background, views, dtype):
+    """The quick flatten and the one-pass views (bfloat16 has no Python buffer: one by one) hold the
+    state as it was at the call, though the train step donates it and the loop changes the dict."""
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s), donate_argnums=0)
+    params = {f"l{i}": {"w": jnp.full((4, 3), i, dtype), "b": jnp.full((3,), -i, dtype)} for i in range(20)}
+    state = {"params": params, "step": 0, "host": np.zeros(2)}
+    held_background.set()  # the first save goes through
+    jaxckpt.save(tmp_path / "first", state)
+    held_background.clear()
+    assert _structure._last is not None and views == [dtype == "float32"]
+
+    state = {"params": step(params), "step": 1, "host": np.ones(2)}
+    expected = jax.tree.map(np.array, state)
+    path = jaxckpt.save(tmp_path / "second", state, blocking=False)
+    state["params"] = step(state["params"])  # donated: the saved arrays are gone
+    state["step"] = 2
+    state["host"][:] = 5
+    state["new"] = 1
+    held_background.set()
+    jaxckpt.wait_until_finished()
+    assert views == [dtype == "float32"] * 2
+
+    restored = jaxckpt.restore(path)
+    assert jax.tree.structure(restored) == jax.tree.structure(expected)
+    for (where, got), want in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(where))
+        assert np.asarray(got).dtype == np.asarray(want).dtype
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "int16", "int32", "uint8", "uint16", "uint32", "float16", "float32", "complex64"])
+def test_every_dtype_a_view_holds_saves_as_it_was(tmp_path, views, dtype):
+    value = jnp.asarray((np.arange(12) % 3).reshape(3, 4).astype(dtype))
+    tree = {"x": value, "scalar": jnp.asarray(np.ones((), dtype)), "empty": jnp.zeros((0, 2), dtype)}
+    jaxckpt.save(tmp_path / "a", tree)
+    path = jaxckpt.save(tmp_path / "b", tree, blocking=False)
+    jaxckpt.wait_until_finished()
+    assert views == [True, True]
+    restored = jaxckpt.restore(path)
+    for k, v in tree.items():
+        assert restored[k].dtype == np.dtype(dtype) and restored[k].shape == v.shape, k
+        np.testing.assert_array_equal(restored[k], np.asarray(v), err_msg=k)
+
+
+def test_a_deleted_array_in_a_tree_seen_before_is_refused_by_the_call(tmp_path):
+    tree = {"a": dict(zip("xyz", arrays(3)))}
+    jaxckpt.save(tmp_path / "first", tree)
+    tree["a"]["y"].delete()
+    with pytest.raises(UnsupportedValueError, match=r"'a/y'.*deleted"):
+        jaxckpt.save(tmp_path / "second", tree, blocking=False)
+    jaxckpt.wait_until_finished()
+    assert not (tmp_path / "second").exists()
