@@ -47,18 +47,21 @@ def trees():
     a = arrays(8)
     params = {"l1": {"kernel": a[0], "bias": a[1]}, "l2": {"kernel": a[2], "bias": a[3]}}
     yield "dicts", params
-    yield "training state", {
-        "params": params,
-        "opt_state": optax.adam(1e-3).init(params),  # a tuple of namedtuples, with an EmptyState
-        "step": 7,
-        "note": "text",
-        "lr": 0.5,
-        "done": False,
-        "nothing": None,
-        "host": np.arange(3.0),
-        "scalar": np.float32(2.0),
-        "key": jax.random.key(1),
-    }
+    yield (
+        "training state",
+        {
+            "params": params,
+            "opt_state": optax.adam(1e-3).init(params),  # a tuple of namedtuples, with an EmptyState
+            "step": 7,
+            "note": "text",
+            "lr": 0.5,
+            "done": False,
+            "nothing": None,
+            "host": np.arange(3.0),
+            "scalar": np.float32(2.0),
+            "key": jax.random.key(1),
+        },
+    )
     yield "lists and tuples", [a[0], (a[1], [a[2]], ()), [], {}, Pair(a[3], (a[4],))]
     yield "int keys", {0: a[0], "0": a[1], 1: {"x": a[2]}, "~/": a[3], "": a[4]}
     yield "nnx.State", nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
@@ -95,7 +98,15 @@ def test_the_same_keys_in_another_order_give_that_order():
         lambda t: {"w": t["w"], "sub": [*t["sub"], 1]},  # a list grew
         lambda t: {"w": 3, "sub": t["sub"]},  # an array became an int
     ],
-    ids=["key added", "key renamed", "leaf to dict", "list to tuple", "tuple to namedtuple", "list grew", "array to int"],
+    ids=[
+        "key added",
+        "key renamed",
+        "leaf to dict",
+        "list to tuple",
+        "tuple to namedtuple",
+        "list grew",
+        "array to int",
+    ],
 )
 def test_a_changed_structure_is_flattened_in_full(change):
     a = arrays(3)
@@ -176,7 +187,9 @@ def test_a_second_async_save_holds_what_the_call_saw(tmp_path, held_background, 
         assert np.asarray(got).dtype == np.asarray(want).dtype
 
 
-@pytest.mark.parametrize("dtype", ["bool", "int8", "int16", "int32", "uint8", "uint16", "uint32", "float16", "float32", "complex64"])
+@pytest.mark.parametrize(
+    "dtype", ["bool", "int8", "int16", "int32", "uint8", "uint16", "uint32", "float16", "float32", "complex64"]
+)
 def test_every_dtype_a_view_holds_saves_as_it_was(tmp_path, views, dtype):
     value = jnp.asarray((np.arange(12) % 3).reshape(3, 4).astype(dtype))
     tree = {"x": value, "scalar": jnp.asarray(np.ones((), dtype)), "empty": jnp.zeros((0, 2), dtype)}
