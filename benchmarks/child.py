@@ -40,6 +40,7 @@ OPS = (
     "floor_read_put_cold",
     "floor_read_put_each",
     "floor_copy",
+    "floor_hold",
     "jaxckpt_save",
     "jaxckpt_restore",
     "jaxckpt_restore_cold",
@@ -317,7 +318,7 @@ def run(workdir: str, op: str, result_path: str, touch_extra: int) -> None:
             checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         else:
             checkpointer = ocp.StandardCheckpointer()
-    if lib == "floor" and not restores:
+    if lib == "floor" and not restores and base != "floor_hold":
         if base != "floor_read":
             leaves = wl.read_leaves(spec, data)
     else:
@@ -336,6 +337,8 @@ def run(workdir: str, op: str, result_path: str, touch_extra: int) -> None:
             jax.block_until_ready(arrays)
             del host
             tree = wl.build_tree(spec, arrays)
+            if base == "floor_hold":
+                leaves = arrays
             del arrays
     if writes and path:
         remove(path)
@@ -426,6 +429,11 @@ def timed_operation(
         produced = floor_read_put(spec, path, [t.sharding for t in targets], each=op == "floor_read_put_each")
     elif op == "floor_copy":
         produced = [np.copy(x) for x in leaves]
+    elif op == "floor_hold":  # what a zero-copy snapshot must do at least: hold each buffer against donation
+        try:
+            produced = list(map(memoryview, leaves))
+        except BufferError:  # arrays of several shards: no one view holds them
+            return {"status": "n/a", "why": "arrays of several shards"}, None
     elif op == "jaxckpt_save":
         import_jaxckpt().save(path, tree)
     elif op == "jaxckpt_async_save":

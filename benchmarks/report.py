@@ -37,6 +37,7 @@ ROWS: list[tuple[str, str, str, tuple[str, str] | None, tuple[str, str] | None]]
     ),
     ("floor: the same, page cache cold", "floor_read_put_cold", "seconds", None, None),
     ("floor: memory copy (`np.copy`)", "floor_copy", "seconds", None, None),
+    ("floor: hold each array against donation (a `memoryview` each)", "floor_hold", "seconds", None, None),
     ("**jaxckpt save**", "jaxckpt_save", "seconds", ("floor_write_fsync", "seconds"), ("orbax_save", "seconds")),
     ("Orbax save", "orbax_save", "seconds", ("floor_write_fsync", "seconds"), None),
     (

@@ -56,19 +56,23 @@ class _Packer:
 
     def __init__(self, target: int = _tensorstore.PACK_TARGET_BYTES) -> None:
         self.target = target
-        self.packs: list[list[tuple[int, np.ndarray]]] = []
+        self.packs: list[list[tuple[int, np.ndarray | memoryview]]] = []
         self.sizes: list[int] = []
         self._built = 0  # packs before this one were handed to a writer
 
-    def add(self, data: np.ndarray) -> InPack:
-        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        if self._built == len(self.packs) or self.sizes[-1] + raw.size > self.target:
+    def add(self, data: np.ndarray | memoryview) -> InPack:
+        """``data``: an array, or the bytes of one (a memoryview of format "B")."""
+        raw = data if isinstance(data, memoryview) else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        size = raw.nbytes
+        if self._built == len(self.packs) or self.sizes[-1] + size > self.target:
             self.packs.append([])
             self.sizes.append(0)
         offset = -(-self.sizes[-1] // _tensorstore.PACK_ALIGN) * _tensorstore.PACK_ALIGN
         self.packs[-1].append((offset, raw))
-        self.sizes[-1] = offset + raw.size
-        return InPack(len(self.packs) - 1, offset, raw.size, crc32c.crc32c(raw.data))
+        self.sizes[-1] = offset + size
+        return InPack(
+            len(self.packs) - 1, offset, size, crc32c.crc32c(raw if isinstance(raw, memoryview) else raw.data)
+        )
 
     def hand_over(self, writer: _tensorstore.Writer, *, last: bool) -> None:
         """Give the writer every complete pack (and the last one too if ``last``: the next leaf then
@@ -302,11 +306,17 @@ class _Records:
         self.meshes: dict[int, tuple[Any, MeshRecord]] = {}
         self._held = 0  # bytes of snapshot copies not written yet
         self._arrays = 0
+        self._formats: dict[str, np.dtype] = {}  # a buffer's format -> the dtype numpy reads it as
 
     def add(self, key: str, item: Any) -> None:
         """Record one leaf from what :meth:`Taker.take` gave for it."""
         if isinstance(item, ValueLeaf):
             self.leaves[key] = item
+            return
+        if type(item) is memoryview and 0 < item.nbytes <= self.writer.pack_leaf_limit:
+            # A small jax.Array on process 0's CPU device, viewed (Taker.take_all): its bytes to a pack, as they are.
+            dtype = self._formats.get(item.format) or self._formats.setdefault(item.format, np.asarray(item).dtype)
+            self.leaves[key] = ArrayLeaf(dtype, item.shape or (), JAX, self.packer.add(item.cast("B")), None, None)
             return
         if isinstance(item, (np.ndarray, memoryview)):  # a jax.Array on process 0's CPU device: a view (take_all)
             view = np.asarray(item)

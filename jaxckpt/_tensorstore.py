@@ -261,8 +261,8 @@ class Writer:
             return
         self._local.add_linked(path, shape, dtype, chunks, links)  # stored by its own name locally
 
-    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
-        """Record a pack of ``nbytes`` bytes holding ``pieces`` (offset, uint8 data); zeros between them."""
+    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray | memoryview]]) -> None:
+        """Record a pack of ``nbytes`` bytes holding ``pieces`` (offset, uint8 data or bytes); zeros between them."""
         chunk = pack_chunk(nbytes)
         if self._local is not None:  # written from the leaves' own buffers
             self._local.add_pack(path, nbytes, pieces, chunk)
@@ -337,7 +337,7 @@ class _PackParts(NamedTuple):
     """A pack to write from its leaves (offset, uint8 data): its one buffer is made as it is written."""
 
     nbytes: int
-    pieces: list[tuple[int, np.ndarray]]
+    pieces: list[tuple[int, np.ndarray | memoryview]]
 
     def build(self) -> list[tuple[tuple[slice, ...], np.ndarray]]:
         if not self.nbytes:
@@ -346,8 +346,8 @@ class _PackParts(NamedTuple):
         at = 0
         for offset, data in self.pieces:
             buffer[at:offset] = 0
-            buffer[offset : offset + data.size] = data
-            at = offset + data.size
+            buffer[offset : offset + data.nbytes] = data
+            at = offset + data.nbytes
         buffer[at:] = 0
         return [((slice(None),), buffer)]
 

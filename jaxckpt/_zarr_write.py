@@ -173,8 +173,10 @@ class LocalWriter:
             if number != ZARR_JSON_LINK:
                 shards[number] = list(crcs)
 
-    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray]], chunk: int) -> None:
-        """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, uint8 data), in order and apart,
+    def add_pack(
+        self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray | memoryview]], chunk: int
+    ) -> None:
+        """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, uint8 data or bytes), in order and apart,
         written straight from their buffers; the bytes between them are zeros."""
         shard = pack_shard(nbytes, chunk)
         folder = os.path.join(self._folder, path)
@@ -187,8 +189,8 @@ class LocalWriter:
         for offset, data in pieces:
             if offset > at:
                 out.append(bytes(offset - at))
-            out.append(bytes_of(data))
-            at = offset + data.size
+            out.append(data if isinstance(data, memoryview) else bytes_of(data))
+            at = offset + data.nbytes
         if shard > at:
             out.append(bytes(shard - at))
         index = np.array([(i * chunk, chunk) for i in range(shard // chunk)], "<u8").tobytes()
