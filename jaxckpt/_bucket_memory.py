@@ -27,9 +27,9 @@ import jax
 import numpy as np
 
 from jaxckpt import _memories, _storage, _tensorstore
-from jaxckpt._checksums import StoreChecksums
+from jaxckpt._checksums import StoreChecksums, hinted_crcs, read_hint
 from jaxckpt._errors import JaxckptError
-from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray, data_store
+from jaxckpt._format import ArrayLeaf, InArray, data_store
 from jaxckpt._incremental import Linked, Memory
 from jaxckpt._refs import READ_LIMIT, names_used, parent
 from jaxckpt._refs_json import REFS_FILE, Ref, decode
@@ -128,18 +128,13 @@ class BucketMemory:
                 if version >= 6:
                     data = _storage.read_file(folder, f"{store}/{REFS_FILE}", READ_LIMIT)
                     refs = {} if data is None else decode(data, repr(str(folder / store / REFS_FILE)), save)
-                data = _storage.read_file(folder, f"{store}/{CHECKSUMS_FILE}", READ_LIMIT)
-                sums = None if data is None else StoreChecksums(data, repr(str(folder / store)), save)
             except (OSError, JaxckptError):
-                refs, sums = {}, None
-            self._stores[slot] = (refs, sums)
+                refs = {}
+            self._stores[slot] = (refs, read_hint(folder, store, save))
         refs, sums = self._stores[slot]
         if array in refs:
             return refs[array]
-        try:
-            shards = sums.of_array(array) if sums is not None else {}
-        except JaxckptError:
-            return None
+        shards = hinted_crcs(sums, array)
         return Ref(folder.name, store, array, save, shards) if shards else None
 
     def remember(

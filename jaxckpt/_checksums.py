@@ -31,9 +31,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxckpt._checked_json import check_checksum, checksummed_json
-from jaxckpt._errors import CheckpointCorruptedError
-from jaxckpt._format import ArrayLeaf, InArray, Index
+from jaxckpt._errors import CheckpointCorruptedError, JaxckptError
+from jaxckpt._format import CHECKSUMS_FILE, ArrayLeaf, InArray, Index
 from jaxckpt._in_flight import Pending
+from jaxckpt._storage import Location, read_file
 from jaxckpt._zarr_local import bytes_of, crc32c_of, expected_crcs, misplaced, shards_in, view_at
 from jaxckpt._zarr_meta import inner_chunk_shape, shard_number
 
@@ -109,6 +110,29 @@ class StoreChecksums:
                 raise self._damaged(f"its entry for {path!r} is not an object of shard numbers to lists of CRC-32C")
             self._parsed[path] = {int(n): tuple(v) for n, v in raw.items()}
         return self._parsed[path]
+
+
+# Bytes of a checksums.json read at most as a hint (an incremental save or copy looking for what it may reuse).
+HINT_LIMIT = 64 << 20
+
+
+def read_hint(folder: Location, store: str, save: str) -> StoreChecksums | None:
+    """Data store ``store``'s checksums in checkpoint ``folder`` as a hint of where an earlier save's
+    bytes are: None if they are missing, over :data:`HINT_LIMIT`, damaged, or not those of ``save``
+    (the caller then writes the data instead of reusing it)."""
+    try:
+        data = read_file(folder, f"{store}/{CHECKSUMS_FILE}", HINT_LIMIT)
+        return None if data is None else StoreChecksums(data, repr(str(folder / store)), save)
+    except (OSError, JaxckptError):
+        return None
+
+
+def hinted_crcs(sums: StoreChecksums | None, array: str) -> dict[int, tuple[int, ...]]:
+    """The CRCs of ``array``'s shards that a hint (:func:`read_hint`) lists; none if its entry is damaged."""
+    try:
+        return sums.of_array(array) if sums is not None else {}
+    except JaxckptError:
+        return {}
 
 
 def misplaced_chunk(

@@ -22,12 +22,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxckpt._checksums import StoreChecksums
-from jaxckpt._errors import JaxckptError
-from jaxckpt._format import CHECKSUMS_FILE
-from jaxckpt._refs import READ_LIMIT
+from jaxckpt._checksums import StoreChecksums, hinted_crcs, read_hint
 from jaxckpt._refs_json import STORE, Ref
-from jaxckpt._storage import Location, read_file
+from jaxckpt._storage import Location
 
 _Key = tuple[tuple[str, int, int], ...]  # an array's shard files: (chunk key, device, inode), sorted
 
@@ -127,17 +124,8 @@ def _crcs(
 ) -> dict[int, tuple[int, ...]]:
     """The CRCs that the local checkpoint's ``checksums.json`` lists for array ``path`` of ``store``."""
     if store not in sums:
-        try:
-            folder = Location(str(source), local=source)
-            data = read_file(folder, f"{store}/{CHECKSUMS_FILE}", READ_LIMIT)
-            sums[store] = None if data is None else StoreChecksums(data, repr(str(source / store)), save)
-        except (OSError, JaxckptError):
-            sums[store] = None
-    found = sums[store]
-    try:
-        return dict(found.of_array(path)) if found is not None else {}
-    except JaxckptError:
-        return {}
+        sums[store] = read_hint(Location(str(source), local=source), store, save)
+    return dict(hinted_crcs(sums[store], path))
 
 
 def uses(refs: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -51,16 +51,15 @@ import jax
 import numpy as np
 
 from jaxckpt import _memories, _tensorstore
-from jaxckpt._checksums import StoreChecksums
-from jaxckpt._errors import JaxckptError
-from jaxckpt._format import CHECKSUMS_FILE, DATA_DIR, JAX, NUMPY, ArrayLeaf, InArray, data_store
+from jaxckpt._checksums import StoreChecksums, hinted_crcs, read_hint
+from jaxckpt._format import DATA_DIR, JAX, NUMPY, ArrayLeaf, InArray, data_store
 from jaxckpt._local_files import aligned_empty, crc32c_of
 from jaxckpt._snapshot import owners, process_of, region, whole
+from jaxckpt._storage import Location
 from jaxckpt._zarr_local import CRC, shards_in
 from jaxckpt._zarr_meta import chunk_key, inner_chunk_shape, metadata, numpy_dtype, shard_number
 from jaxckpt._zarr_write import LINKS, ZARR_JSON_LINK, inner_chunks, shards_of
 
-_CHECKSUMS_LIMIT = 64 << 20  # bytes of a restored checkpoint's checksums.json read to find CRCs
 _Read = dict[tuple[Path, str], StoreChecksums | None]  # a data store's checksums, by (folder, save)
 _PROBE = 64 << 10  # bytes of a numpy array compared with its file's before any CRC (_same_content)
 
@@ -368,18 +367,8 @@ def _checksums_of(store: Path, array: str, save: str, read: _Read) -> dict[int, 
     """The CRCs of ``array``'s shards that data store ``store`` lists for save ``save`` (none if
     unreadable). ``read``: the stores' checksums read so far in this save, each file read once."""
     if (store, save) not in read:
-        try:
-            with open(store / CHECKSUMS_FILE, "rb") as f:
-                data = f.read(_CHECKSUMS_LIMIT + 1)
-            big = len(data) > _CHECKSUMS_LIMIT
-            read[(store, save)] = None if big else StoreChecksums(data, repr(str(store / CHECKSUMS_FILE)), save)
-        except (OSError, JaxckptError):
-            read[(store, save)] = None
-    sums = read[(store, save)]
-    try:
-        return sums.of_array(array) if sums is not None else {}
-    except JaxckptError:
-        return {}
+        read[(store, save)] = read_hint(Location(str(store.parent), local=store.parent), store.name, save)
+    return hinted_crcs(read[(store, save)], array)
 
 
 def _read_small(path: str) -> bytes | None:
