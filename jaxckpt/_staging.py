@@ -225,7 +225,10 @@ def staging_folder(path: Location, token: str, *, own: bool = False) -> Location
                 staging.mkdir()
             except FileExistsError:
                 pass
-            _storage.fsync_dir(staging.parent)
+            # Not synced here, in the caller's thread of an async save: a directory fsync waits for the
+            # file system's journal (a retention's deletions, say). publish syncs this folder's parent
+            # after the rename, which makes its entry durable; a staging folder lost in a crash was no
+            # checkpoint.
             _take_ownership(staging)
         except OSError as e:
             # Not owned, so no later save would remove it as stale: removed here (a token is this save's own).

@@ -222,6 +222,24 @@ def test_parents_of_created_folders_are_synced(tmp_path, monkeypatch):
         assert parent in synced
 
 
+def test_an_async_save_syncs_no_folder_in_the_callers_thread(tmp_path, monkeypatch):
+    """A folder's fsync waits for the file system's journal (a retention's deletions, say), so the
+    caller of an async save does none; publishing syncs the parent after the rename."""
+    import threading
+
+    jaxckpt.save(tmp_path / "first", TREE)  # the parent folder exists
+    caller, synced = threading.current_thread(), []
+    real = _storage.fsync_dir
+    monkeypatch.setattr(
+        _storage, "fsync_dir", lambda p: (synced.append((threading.current_thread(), Path(p))), real(p))
+    )
+    jaxckpt.save(tmp_path / "c", TREE, blocking=False)
+    by_caller = [p for thread, p in synced if thread is caller]
+    jaxckpt.wait_until_finished()
+    assert by_caller == []
+    assert tmp_path in [p for _, p in synced]  # the new entry made durable, in the background
+
+
 # --- item 8: a deferred restore whose checkpoint is gone -----------------------------------------
 
 
