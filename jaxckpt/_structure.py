@@ -6,7 +6,8 @@ key string and node record anew, about 1 µs a leaf, in the caller's thread of a
 the tree is first walked only to list each container's *signature* (a dict's keys in order, a
 list's or tuple's length, a namedtuple's or node's class) and the leaves in order. When the
 signatures equal those of the last tree flattened in full, its keys and nodes are this tree's too
-(they are made from nothing else), and only the leaves are new: a fifth of the time.
+(they are made from nothing else), and only the leaves are new: a third of the time (2.3 ms against
+6.9 for 10,000 leaves with warm caches; 7 against 11 with cold ones).
 
 The walk knows the common containers only: dict, list, tuple, namedtuples, jaxckpt's ``Checkpoint``,
 ``nnx.State`` and ``nnx.Variable`` (transparent). Anything else, a reference cycle or a Checkpoint
