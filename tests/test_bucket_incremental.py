@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lora_state import adapter, base, expect_restores, run
 
 import jaxckpt
 from jaxckpt import _kvstore, _refs, _storage, _tensorstore
-
-MESH = jax.make_mesh((8,), ("x",))
-SHARDED = jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec("x"))
 
 
 @pytest.fixture(autouse=True)
@@ -24,43 +21,12 @@ def small_pack_limit(monkeypatch):
     monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", 1 << 20)
 
 
-def base() -> dict[str, jax.Array]:
-    return {
-        "w0": jax.device_put(jnp.arange(512 * 1024, dtype=jnp.float32).reshape(1024, 512), SHARDED),
-        "w1": jnp.full((1536, 512), 3.0, jnp.bfloat16) * jnp.arange(512, dtype=jnp.bfloat16),
-    }
-
-
-def adapter(step: int) -> jax.Array:
-    return jnp.full((512, 1024), float(step), jnp.float32)
-
-
 def keys(path: str) -> list[str]:
     return sorted(_kvstore.kv_keys(_storage.location(path).spec()))
 
 
 def index_of(path: str) -> dict:
     return json.loads(_storage.read_file(_storage.location(path), "index.json"))
-
-
-def expect_restores(path: str, frozen: dict[str, jax.Array], step: int) -> None:
-    tree = jaxckpt.restore(path)
-    for k, v in frozen.items():
-        np.testing.assert_array_equal(np.asarray(tree["base"][k]), np.asarray(v))
-    np.testing.assert_array_equal(np.asarray(tree["adapter"]), np.asarray(adapter(step)))
-    assert tree["step"] == step
-
-
-def run(directory: str, steps: int, *, keep: int = 3, frozen=None, **options):
-    frozen = base() if frozen is None else frozen
-    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
-    with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=keep, step_counter="step", **options) as manager:
-        for step in range(1, steps + 1):
-            ckpt.step = step
-            ckpt.adapter = adapter(step)
-            manager.save()
-        manager.wait_until_finished()
-        return frozen, manager.checkpoints
 
 
 def test_unchanged_arrays_are_stored_by_reference(bucket):

@@ -12,24 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lora_state import adapter, base, expect_restores, run
 
 import jaxckpt
 from jaxckpt import _cli, _zarr_write
-
-MESH = jax.make_mesh((8,), ("x",))
-SHARDED = jax.sharding.NamedSharding(MESH, jax.sharding.PartitionSpec("x"))
-
-
-def base() -> dict[str, jax.Array]:
-    """A frozen base of two arrays over the pack limit (1 MiB): one sharded over 8 devices, one on one."""
-    return {
-        "w0": jax.device_put(jnp.arange(512 * 1024, dtype=jnp.float32).reshape(1024, 512), SHARDED),
-        "w1": jnp.full((1536, 512), 3.0, jnp.bfloat16) * jnp.arange(512, dtype=jnp.bfloat16),
-    }
-
-
-def adapter(step: int) -> jax.Array:
-    return jnp.full((512, 1024), float(step), jnp.float32)  # 2 MiB: an array of its own too
 
 
 def shard_files(checkpoint: str | Path, array: str) -> dict[str, os.stat_result]:
@@ -47,14 +33,6 @@ def inodes(checkpoint: str | Path, key: str) -> set[int]:
     return {s.st_ino for s in shard_files(checkpoint, array_of(checkpoint, key)).values()}
 
 
-def expect_restores(path: str, frozen: dict[str, jax.Array], step: int) -> None:
-    tree = jaxckpt.restore(path)
-    for k, v in frozen.items():
-        np.testing.assert_array_equal(tree["base"][k], np.asarray(v))
-    np.testing.assert_array_equal(tree["adapter"], np.asarray(adapter(step)))
-    assert tree["step"] == step
-
-
 @pytest.fixture
 def counted_writes(monkeypatch):
     """The shard files that jaxckpt writes (not those it links), by path."""
@@ -67,18 +45,6 @@ def counted_writes(monkeypatch):
 
     monkeypatch.setattr(_zarr_write, "_write_shard", counting)
     return written
-
-
-def run(directory: Path, steps: int, *, keep: int = 3, **options) -> tuple[dict[str, jax.Array], list[str]]:
-    frozen = base()
-    ckpt = jaxckpt.Checkpoint(step=0, base=frozen, adapter=adapter(0))
-    with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=keep, step_counter="step", **options) as manager:
-        for step in range(1, steps + 1):
-            ckpt.step = step
-            ckpt.adapter = adapter(step)
-            manager.save()
-        manager.wait_until_finished()
-        return frozen, manager.checkpoints
 
 
 def test_unchanged_arrays_are_hard_linked_and_changed_ones_written(tmp_path, counted_writes):
