@@ -33,6 +33,7 @@ from jaxckpt._format import (
 )
 from jaxckpt._gc_pause import gc_paused, pause
 from jaxckpt._index_json import encode_index
+from jaxckpt._local_files import bytes_of
 from jaxckpt._memories import arrays_of_their_own
 from jaxckpt._snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, take_leaves, whole
 from jaxckpt._snapshot import owners as _owners
@@ -56,13 +57,13 @@ class _Packer:
 
     def __init__(self, target: int = _tensorstore.PACK_TARGET_BYTES) -> None:
         self.target = target
-        self.packs: list[list[tuple[int, np.ndarray | memoryview]]] = []
+        self.packs: list[list[tuple[int, memoryview]]] = []
         self.sizes: list[int] = []
         self._built = 0  # packs before this one were handed to a writer
 
     def add(self, data: np.ndarray | memoryview) -> InPack:
         """``data``: an array, or the bytes of one (a memoryview of format "B")."""
-        raw = data if isinstance(data, memoryview) else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        raw = data if isinstance(data, memoryview) else bytes_of(np.ascontiguousarray(data))
         size = raw.nbytes
         if self._built == len(self.packs) or self.sizes[-1] + size > self.target:
             self.packs.append([])
@@ -70,9 +71,7 @@ class _Packer:
         offset = -(-self.sizes[-1] // _tensorstore.PACK_ALIGN) * _tensorstore.PACK_ALIGN
         self.packs[-1].append((offset, raw))
         self.sizes[-1] = offset + size
-        return InPack(
-            len(self.packs) - 1, offset, size, crc32c.crc32c(raw if isinstance(raw, memoryview) else raw.data)
-        )
+        return InPack(len(self.packs) - 1, offset, size, crc32c.crc32c(raw))
 
     def hand_over(self, writer: _tensorstore.Writer, *, last: bool) -> None:
         """Give the writer every complete pack (and the last one too if ``last``: the next leaf then

@@ -261,8 +261,8 @@ class Writer:
             return
         self._local.add_linked(path, shape, dtype, chunks, links)  # stored by its own name locally
 
-    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray | memoryview]]) -> None:
-        """Record a pack of ``nbytes`` bytes holding ``pieces`` (offset, uint8 data or bytes); zeros between them."""
+    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, memoryview]]) -> None:
+        """Record a pack of ``nbytes`` bytes holding ``pieces`` (offset, bytes); zeros between them."""
         chunk = pack_chunk(nbytes)
         if self._local is not None:  # written from the leaves' own buffers
             self._local.add_pack(path, nbytes, pieces, chunk)
@@ -334,10 +334,10 @@ def _create(base: dict[str, Any], path: str, metadata: dict[str, Any], context: 
 
 
 class _PackParts(NamedTuple):
-    """A pack to write from its leaves (offset, uint8 data): its one buffer is made as it is written."""
+    """A pack to write from its leaves (offset, bytes): its one buffer is made as it is written."""
 
     nbytes: int
-    pieces: list[tuple[int, np.ndarray | memoryview]]
+    pieces: list[tuple[int, memoryview]]
 
     def build(self) -> list[tuple[tuple[slice, ...], np.ndarray]]:
         if not self.nbytes:

@@ -173,10 +173,8 @@ class LocalWriter:
             if number != ZARR_JSON_LINK:
                 shards[number] = list(crcs)
 
-    def add_pack(
-        self, path: str, nbytes: int, pieces: Sequence[tuple[int, np.ndarray | memoryview]], chunk: int
-    ) -> None:
-        """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, uint8 data or bytes), in order and apart,
+    def add_pack(self, path: str, nbytes: int, pieces: Sequence[tuple[int, memoryview]], chunk: int) -> None:
+        """Record a pack of ``nbytes`` bytes: ``pieces`` are (offset, bytes), in order and apart,
         written straight from their buffers; the bytes between them are zeros."""
         shard = pack_shard(nbytes, chunk)
         folder = os.path.join(self._folder, path)
@@ -189,7 +187,7 @@ class LocalWriter:
         for offset, data in pieces:
             if offset > at:
                 out.append(bytes(offset - at))
-            out.append(data if isinstance(data, memoryview) else bytes_of(data))
+            out.append(data)
             at = offset + data.nbytes
         if shard > at:
             out.append(bytes(shard - at))
