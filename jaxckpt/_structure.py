@@ -17,7 +17,6 @@ remembered only if the full flatten saw the very leaves the walk saw, in the sam
 
 from __future__ import annotations
 
-import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -44,7 +43,6 @@ class _Unknown(Exception):
 
 _last: _Known | None = None
 _kinds: dict[type, int] = {}
-_lock = threading.Lock()
 
 
 def flatten_saved(root: Any) -> Flat:
@@ -79,8 +77,7 @@ def flatten_saved(root: Any) -> Flat:
         typed = [
             i for i, entry in enumerate(signature) if type(entry) is tuple and any(type(k) is not str for k in entry)
         ]
-        with _lock:
-            _last = _Known(signature, keys, flat.nodes, typed)
+        _last = _Known(signature, keys, flat.nodes, typed)  # one assignment: a racing save reads the old or the new
     flat.not_arrays = [keys[i] for i in others]
     return flat
 
