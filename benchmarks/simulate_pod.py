@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxckpt
-from jaxckpt import _format, _index_json, _reader, _storage, _tensorstore
+from jaxckpt import _format, _index_encode, _reader, _storage, _tensorstore
 from jaxckpt._format import ArrayLeaf, InArray, Index, Layout, MeshRecord
 from jaxckpt._tree import flatten
 
@@ -103,7 +103,7 @@ def build(
             writer.add_array(leaf.at.path, shape, leaf.dtype, chunks, parts)
         writer.flush()
         writer.finish("51a1")  # the data store's checksums, for the save the index names
-    (folder / _format.INDEX_FILE).write_bytes(_index_json.encode_index(index))
+    (folder / _format.INDEX_FILE).write_bytes(_index_encode.encode_index(index))
     return index
 
 

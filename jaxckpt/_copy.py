@@ -44,7 +44,8 @@ from jaxckpt import (
 from jaxckpt._copy_memory import CopyMemory
 from jaxckpt._errors import CheckpointCorruptedError
 from jaxckpt._format import INDEX_FILE, data_store
-from jaxckpt._index_json import decode_index, encode_index
+from jaxckpt._index_encode import encode_index
+from jaxckpt._index_json import decode_index
 from jaxckpt._storage import Location
 
 

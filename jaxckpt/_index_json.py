@@ -1,5 +1,5 @@
-"""The index as JSON: :func:`encode_index` writes it canonical and checksummed, :func:`decode_index`
-parses it. docs/format.md is the specification. Parsing is defensive: a crafted index
+"""The index as JSON, parsed: :func:`decode_index` (:mod:`jaxckpt._index_encode` writes it, canonical
+and checksummed). docs/format.md is the specification. Parsing is defensive: a crafted index
 can only produce a :class:`CheckpointFormatError`, never a path outside the checkpoint, an object
 dtype, or an allocation that its own data does not back.
 """
@@ -15,11 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxckpt import _format
-from jaxckpt._checked_json import check_checksum, checksummed_json
+from jaxckpt._checked_json import check_checksum
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointFormatError,
-    UnsupportedValueError,
     UnsupportedVersionError,
 )
 from jaxckpt._format import (
@@ -33,7 +32,6 @@ from jaxckpt._format import (
     MAX_PROCESS,
     MAX_PROCESS_STATES,
     MAX_RANK,
-    PLAIN_VERSION,
     SCALAR_TYPES,
     STATE_TYPES,
     ArrayLeaf,
@@ -45,7 +43,6 @@ from jaxckpt._format import (
     MeshRecord,
     Pack,
     ValueLeaf,
-    dtype_name,
     is_container,
     is_scalar_type,
     prng_key_data_shape,
@@ -59,81 +56,6 @@ _STORE = re.compile(r"^data(\.p[1-9][0-9]{0,5})?$")
 _ARRAY_PATH = re.compile(r"^a/[0-9]{1,9}$")
 _PACK_PATH = re.compile(r"^p/[0-9]{1,9}$")
 SAVE_ID = re.compile(r"^[0-9a-f]{1,64}$")  # the id of a save (version 5)
-
-
-# --- writing -----------------------------------------------------------------------------------
-
-
-def _float_to_json(x: float) -> float | str:
-    return x if math.isfinite(x) else repr(x)  # "nan", "inf", "-inf"
-
-
-def _leaf_to_json(leaf: Leaf, meshes: Mapping[int, int]) -> dict[str, Any]:
-    if isinstance(leaf, ValueLeaf):
-        value = _float_to_json(leaf.value) if leaf.type == "float" else leaf.value
-        if leaf.type == "state_bytes":
-            value = base64.b64encode(leaf.value).decode("ascii")
-        elif leaf.type == "state_per_process":  # each process's state, in process order
-            value = [_leaf_to_json(state, meshes) for state in leaf.value]
-        return {"type": leaf.type, "value": value}
-    out: dict[str, Any] = {
-        "type": "prng_key" if leaf.prng_impl else "array",
-        "dtype": dtype_name(leaf.dtype),
-        "shape": list(leaf.shape),
-        "container": leaf.container,
-    }
-    if leaf.prng_impl:
-        out["impl"] = leaf.prng_impl
-    if leaf.sharding:
-        out["sharding"] = leaf.sharding
-    at = leaf.at
-    if isinstance(at, InArray):
-        out["at"] = {"array": at.path, "stored": at.stored}
-        if at.chunks is not None:
-            out["at"]["chunks"] = list(at.chunks)
-        if at.layout is not None:
-            out["at"]["mesh"] = meshes[id(at.layout.mesh)]
-            out["at"]["spec"] = [list(axes) or None for axes in at.layout.spec]
-        if at.regions is not None:
-            out["at"]["regions"] = {
-                store: [[list(r) for r in region] for region in regions] for store, regions in at.regions.items()
-            }
-    elif isinstance(at, InPack):
-        out["at"] = {"pack": at.pack, "offset": at.offset, "nbytes": at.nbytes, "crc32c": at.checksum}
-    else:
-        raise TypeError(f"{leaf!r} is in another library's checkpoint; a jaxckpt index cannot refer to it")
-    return out
-
-
-@gc_paused
-def encode_index(index: Index) -> bytes:
-    """The index file: compact canonical JSON with a crc32 of itself (without the checksum field)."""
-    deepest = _deepest(index.nodes)
-    if deepest is not None:
-        raise UnsupportedValueError(
-            f"Cannot save the values below {describe(deepest)[:80]}...: they are nested more than {MAX_DEPTH} levels "
-            f"deep, and jaxckpt restores trees of at most {MAX_DEPTH} levels. Flatten the structure."
-        )
-    meshes = {id(m): i for i, m in enumerate(index.meshes)}
-    body = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION if index.refs else PLAIN_VERSION,
-        "metadata": index.metadata,
-        "nodes": {k: {"kind": n.kind, "class": n.cls, "keys": list(n.keys)} for k, n in index.nodes.items()},
-        "leaves": {k: _leaf_to_json(v, meshes) for k, v in index.leaves.items()},
-        "packs": [{"path": p.path, "nbytes": p.nbytes, "chunk": p.chunk} for p in index.packs],
-    }
-    if index.meshes:  # the device table once, then each mesh by device ids
-        table = dict(sorted({d: p for m in index.meshes for d, p in zip(m.devices, m.processes)}.items()))
-        body["devices"] = {"id": list(table), "process": list(table.values())}
-        body["meshes"] = [
-            {"axes": list(m.axes), "shape": list(m.shape), "devices": list(m.devices)} for m in index.meshes
-        ]
-    if index.aliases:
-        body["aliases"] = dict(index.aliases)
-    if index.save is not None:
-        body["save"] = index.save
-    return checksummed_json(body)
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -352,7 +274,7 @@ def _depth(key: str) -> int:
     return key.count("/") + 1 if key else 0  # a "/" inside an edge is escaped, so each one separates two
 
 
-def _deepest(nodes: Mapping[str, NodeInfo]) -> str | None:
+def deepest(nodes: Mapping[str, NodeInfo]) -> str | None:
     """A node deeper than MAX_DEPTH (its children would be deeper still), or None."""
     return next((k for k in nodes if _depth(k) >= MAX_DEPTH), None)
 
@@ -493,6 +415,6 @@ def _check_graph(nodes: dict[str, NodeInfo], leaves: dict[str, Leaf], where: str
         stack.extend(child_keys(key, info))
     if seen_nodes != len(nodes) or seen_leaves != len(leaves):
         raise _fail(where, "it has entries that are not reachable from the root")
-    deepest = _deepest(nodes)
-    if deepest is not None:
-        raise _fail(where, f"its nodes are nested more than {MAX_DEPTH} levels deep ({describe(deepest)[:100]}...)")
+    too_deep = deepest(nodes)
+    if too_deep is not None:
+        raise _fail(where, f"its nodes are nested more than {MAX_DEPTH} levels deep ({describe(too_deep)[:100]}...)")

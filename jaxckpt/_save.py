@@ -32,7 +32,7 @@ from jaxckpt._format import (
     data_store,
 )
 from jaxckpt._gc_pause import gc_paused, pause
-from jaxckpt._index_json import encode_index
+from jaxckpt._index_encode import encode_index
 from jaxckpt._local_files import bytes_of
 from jaxckpt._memories import arrays_of_their_own
 from jaxckpt._snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, take_leaves, whole

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _format, _index_json
+from jaxckpt import _checked_json, _format, _index_encode, _index_json
 
 grain = pytest.importorskip("grain")
 
@@ -80,7 +80,7 @@ def _per_process(path, key, states):
     index = _index_json.decode_index(index_file.read_bytes(), "index.json")
     leaves = tuple(_format.ValueLeaf("state_bytes" if isinstance(s, bytes) else "state", s) for s in states)
     index.leaves[key] = _format.ValueLeaf("state_per_process", leaves)
-    index_file.write_bytes(_index_json.encode_index(index))
+    index_file.write_bytes(_index_encode.encode_index(index))
 
 
 def test_per_process_states_are_written_and_read_back(tmp_path):
@@ -113,7 +113,7 @@ def test_a_crafted_per_process_state_is_refused_by_name(tmp_path):
     for value in ([{"type": "int", "value": 1}], [[1]], "x", [{"type": "state_per_process", "value": []}]):
         body = json.loads(index_file.read_text())
         body["leaves"]["data"] = {"type": "state_per_process", "value": value}
-        raw = _index_json.checksummed_json({k: v for k, v in body.items() if k != "checksum"})
+        raw = _checked_json.checksummed_json({k: v for k, v in body.items() if k != "checksum"})
         with pytest.raises(jaxckpt.JaxckptError, match="data"):
             _index_json.decode_index(raw, "index.json")
     del path

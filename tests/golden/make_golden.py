@@ -55,7 +55,7 @@ def pod_tree():
 
 def write_pod_golden(out):
     import jaxckpt
-    from jaxckpt import _format, _index_json, _storage, _tensorstore
+    from jaxckpt import _format, _index_encode, _storage, _tensorstore
     from jaxckpt._format import ArrayLeaf, InArray, Index, Layout, MeshRecord
     from jaxckpt._tree import flatten
 
@@ -94,7 +94,7 @@ def write_pod_golden(out):
             writer.finish("5a7e")
     if jaxckpt.FORMAT_VERSION >= 5:
         index.save = "5a7e"
-    (out / _format.INDEX_FILE).write_bytes(_index_json.encode_index(index))
+    (out / _format.INDEX_FILE).write_bytes(_index_encode.encode_index(index))
 
 
 if __name__ == "__main__":
