@@ -114,6 +114,39 @@ def on_cpu(x: jax.Array) -> bool:
     return all(d.platform == "cpu" for d in x.sharding.device_set)  # type: ignore[attr-defined]
 
 
+_numpy_of_one_shard: Callable[[Any], tuple[np.ndarray, bool]] | None = None
+
+
+def one_cpu_view(x: jax.Array) -> np.ndarray:
+    """``np.asarray(x)`` of an array on one CPU device (the caller knows it is): a view of its buffer
+    that holds it, so that a train step donating ``x`` copies instead. The call that ``np.asarray``
+    makes in jax, without its Python steps: 1.6 µs against 5 for a small bfloat16 array, the dtype
+    whose arrays export no Python buffer. Checked once against ``np.asarray``; that, if it differs."""
+    global _numpy_of_one_shard
+    if _numpy_of_one_shard is None:
+        _numpy_of_one_shard = _checked_numpy_of_one_shard()
+    data, copied = _numpy_of_one_shard(x)
+    return data if not copied else np.asarray(x)
+
+
+def _checked_numpy_of_one_shard() -> Callable[[Any], tuple[np.ndarray, bool]]:
+    def usual(x: Any) -> tuple[np.ndarray, bool]:
+        return np.asarray(x), False
+
+    try:
+        probe = jax.device_put(np.arange(6, dtype=jax.numpy.bfloat16), jax.devices("cpu")[0])
+        call = type(probe)._single_device_array_to_np_array_did_copy
+        data, copied = call(probe)
+        usual_data = np.asarray(probe)
+        if copied or not (data.dtype == usual_data.dtype and np.array_equal(data, usual_data)):
+            return usual
+        if data.__array_interface__["data"][0] != probe.unsafe_buffer_pointer():
+            return usual  # not a view of the buffer itself
+        return call
+    except Exception:  # another jax: np.asarray, as before
+        return usual
+
+
 def region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
@@ -187,7 +220,7 @@ class Taker:
         self._by_id: dict[int, tuple[Any, bool]] = {}
         self._local_cpu: dict[Any, bool] = {}
         # Dtypes checked -> how a view of a CPU array of it is taken: a memoryview (its buffer, the
-        # quickest) where jax exports numpy's own dtypes, else np.asarray (bfloat16, float8...).
+        # quickest) where jax exports numpy's own dtypes, else one_cpu_view (bfloat16, float8...).
         self._dtypes: dict[Any, Callable[[Any], Any]] = {}
 
     def take_all(
@@ -281,7 +314,7 @@ class Taker:
         if dtype not in self._dtypes:
             if not isinstance(dtype, np.dtype) or dtype_name(dtype) is None:
                 raise unsupported(key, x, f"Its dtype {dtype} cannot be stored; convert it to a numeric dtype.")
-            self._dtypes[dtype] = memoryview if dtype.isbuiltin == 1 and dtype.kind in "biufc" else np.asarray
+            self._dtypes[dtype] = memoryview if dtype.isbuiltin == 1 and dtype.kind in "biufc" else one_cpu_view
 
     def _take_jax(self, key: str, x: jax.Array) -> list[Any]:
         if x.is_deleted():
@@ -300,7 +333,7 @@ class Taker:
             self._local_cpu[sharding] = here
         self._by_id[id(sharding)] = (sharding, here)
         if here:  # the cheapest snapshot: one view of its one buffer, which it keeps alive
-            return [JAX, impl, x, np.asarray(x), 0]
+            return [JAX, impl, x, one_cpu_view(x), 0]
         item = [JAX, impl, x, LATER, 0]
         if self.eager:
             self._take_host(item)

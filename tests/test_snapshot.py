@@ -77,3 +77,20 @@ def test_the_collector_runs_again_once_the_background_has_recorded(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32", "int4"])
+def test_the_view_of_an_array_on_one_cpu_device_is_its_buffer_and_holds_it(dtype):
+    import jax.numpy as jnp
+
+    from jaxckpt._snapshot import one_cpu_view
+
+    x = jax.device_put(np.arange(-4, 4).astype(jnp.dtype(dtype)), jax.devices()[0])
+    expected = np.asarray(x).copy()
+    view = one_cpu_view(x)
+    assert view.dtype == expected.dtype and np.array_equal(view, expected)
+    if dtype != "int4":  # packed two to a byte: no plain view of its buffer
+        assert view.__array_interface__["data"][0] == x.unsafe_buffer_pointer()
+    step = jax.jit(lambda a: a * 0 + 1, donate_argnums=0)  # donation reuses a buffer nobody holds
+    step(x).block_until_ready()
+    assert np.array_equal(view, expected)
