@@ -3,6 +3,8 @@ full gets exactly the keys, nodes and leaves that the full flatten gives it, and
 structure is seen. Then the saves a training loop makes, through the one-pass views of its arrays."""
 
 import collections
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.core import freeze
+from flax.training import train_state
 
 import jaxckpt
 from jaxckpt import _snapshot, _structure, _tree
@@ -43,6 +47,18 @@ def as_full_flatten(root):
 Pair = collections.namedtuple("Pair", ["left", "right"])
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "n"], meta_fields=["tag"])
+@dataclasses.dataclass
+class Registered:
+    x: object
+    n: object
+    tag: str
+
+
+def _apply(*args):
+    return None
+
+
 def trees():
     a = arrays(8)
     params = {"l1": {"kernel": a[0], "bias": a[1]}, "l2": {"kernel": a[2], "bias": a[3]}}
@@ -67,6 +83,8 @@ def trees():
     yield "nnx.State", nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     yield "nnx.Variable", {"w": nnx.Param(a[5]), "tree": nnx.Param({"u": a[6]})}
     yield "Checkpoint", jaxckpt.Checkpoint(params=params, step=3, inner=jaxckpt.Checkpoint(w=a[7]))
+    yield "TrainState", train_state.TrainState.create(apply_fn=_apply, params=params, tx=optax.adam(1e-3))
+    yield "FrozenDict", {"frozen": freeze(params), "data": Registered(a[4], 2, "static")}
 
 
 @pytest.mark.parametrize(("name", "root"), list(trees()), ids=[name for name, _ in trees()])
@@ -211,3 +229,50 @@ def test_a_deleted_array_in_a_tree_seen_before_is_refused_by_the_call(tmp_path):
         jaxckpt.save(tmp_path / "second", tree, blocking=False)
     jaxckpt.wait_until_finished()
     assert not (tmp_path / "second").exists()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: {**t, "state": t["state"].replace(tx=optax.sgd(0.1))},  # another static field
+        lambda t: {**t, "frozen": freeze({**t["frozen"], "more": t["data"].x})},  # a key more
+        lambda t: {**t, "frozen": freeze({"other": t["frozen"]["a"]})},  # keys renamed
+        lambda t: {**t, "data": Registered(t["data"].x, 2, "another tag")},  # other aux data
+        lambda t: {**t, "data": Registered(t["data"].x, {"n": 2}, "static")},  # a leaf became a dict
+    ],
+    ids=["static field", "frozen key added", "frozen keys renamed", "aux data", "leaf to dict"],
+)
+def test_a_changed_registered_node_is_flattened_in_full(change):
+    a = arrays(3)
+    tree = {
+        "state": train_state.TrainState.create(apply_fn=_apply, params={"w": a[0]}, tx=optax.adam(1e-3)),
+        "frozen": freeze({"a": a[1]}),
+        "data": Registered(a[2], 2, "static"),
+    }
+    as_full_flatten(tree)
+    remembered = _structure._last
+    changed = change(tree)
+    as_full_flatten(changed)
+    assert _structure._last is not remembered  # flattened in full, and that structure remembered
+
+
+def test_a_registered_node_with_keys_that_are_not_names_is_not_remembered():
+    a = arrays(2)
+    tree = {"f": freeze({1: a[0], 2: a[1]})}
+    as_full_flatten(tree)
+    assert _structure._last is None
+
+
+def test_a_train_state_saved_in_a_loop_restores_as_saved(tmp_path):
+    params = {"l1": {"kernel": arrays(1)[0]}, "l2": {"bias": arrays(1, seed=1)[0]}}
+    state = train_state.TrainState.create(apply_fn=_apply, params=params, tx=optax.adam(1e-3))
+    for step in range(3):
+        state = state.apply_gradients(grads=jax.tree.map(jnp.ones_like, state.params))
+        jaxckpt.save(tmp_path / str(step), state, blocking=False)
+    jaxckpt.wait_until_finished()
+    assert _structure._last is not None
+    restored = jaxckpt.restore(tmp_path / "2", like=state)
+    assert restored.step == 3
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(x, y)
+    assert set(jaxckpt.restore(tmp_path / "2")) == {"step", "params", "opt_state"}
