@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import Mapping
-from json.encoder import encode_basestring  # type: ignore[attr-defined]
+from json.encoder import encode_basestring
 from typing import Any
 
 from jaxckpt._checked_json import canonical_text, with_checksum

@@ -187,4 +187,4 @@ def _kind(t: type, x: Any) -> int:
     # Another node registered with JAX (a flax.struct dataclass such as TrainState, a FrozenDict, an
     # optax state that is no namedtuple...), known by the type (a type JAX does not know is a leaf).
     treedef = jax.tree_util.tree_structure(x, is_leaf=lambda y: y is not x)
-    return _UNKNOWN if treedef.num_nodes == 1 and treedef.num_leaves == 1 else _NODE
+    return _UNKNOWN if treedef.num_nodes == 1 and treedef.num_leaves == 1 else _NODE  # type: ignore[attr-defined]
