@@ -5,6 +5,7 @@ structure is seen. Then the saves a training loop makes, through the one-pass vi
 import collections
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,8 @@ import pytest
 from flax import nnx
 from flax.core import freeze
 from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from jaxckpt import _snapshot, _structure, _tree
@@ -175,12 +178,16 @@ def views(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "mixed"])
 def test_a_second_async_save_holds_what_the_call_saw(tmp_path, held_background, views, dtype):
-    """The quick flatten and the one-pass views (bfloat16 has no Python buffer: one by one) hold the
-    state as it was at the call, though the train step donates it and the loop changes the dict."""
+    """The quick flatten and the one-pass views (bfloat16 has no Python buffer: jax's own view of
+    each, one by one; "mixed": bfloat16 kernels, float32 and float8 vectors, one by one too) hold
+    the state as it was at the call, though the train step donates it and the loop changes the dict."""
     step = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s), donate_argnums=0)
-    params = {f"l{i}": {"w": jnp.full((4, 3), i, dtype), "b": jnp.full((3,), -i, dtype)} for i in range(20)}
+    kernel, bias = ("bfloat16", "float32") if dtype == "mixed" else (dtype, dtype)
+    params = {f"l{i}": {"w": jnp.full((4, 3), i, kernel), "b": jnp.full((3,), -i, bias)} for i in range(20)}
+    if dtype == "mixed":
+        params["scale"] = jnp.full((5,), 0.5, jnp.float8_e4m3fn)
     state = {"params": params, "step": 0, "host": np.zeros(2)}
     held_background.set()  # the first save goes through
     jaxckpt.save(tmp_path / "first", state)
@@ -276,3 +283,53 @@ def test_a_train_state_saved_in_a_loop_restores_as_saved(tmp_path):
     for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(x, y)
     assert set(jaxckpt.restore(tmp_path / "2")) == {"step", "params", "opt_state"}
+
+
+def _bfloat16_tree():
+    return {f"l{i}": {"w": jnp.full((4, 3), i, jnp.bfloat16), "b": jnp.full((3,), -i, jnp.float32)} for i in range(4)}
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        lambda: jax.device_put(jnp.arange(16.0, dtype=jnp.bfloat16), NamedSharding(_mesh(), P("x"))),  # sharded
+        lambda: jax.device_put(jnp.arange(8.0, dtype=jnp.bfloat16), NamedSharding(_mesh(), P())),  # replicated
+        lambda: jax.random.key(3),  # a typed PRNG key: no ArrayImpl to the walk, so taken aside
+    ],
+    ids=["sharded bfloat16", "replicated bfloat16", "PRNG key"],
+)
+def test_arrays_a_view_cannot_stand_for_are_taken_one_by_one(tmp_path, views, odd):
+    """Among bfloat16 arrays (viewed one by one), an array of several devices is gathered and a
+    PRNG key's data taken; each saved as it was, a sharded one with its sharding recorded."""
+    tree = {**_bfloat16_tree(), "odd": odd()}
+    expected = jax.tree.map(np.asarray, jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree))
+    jaxckpt.save(tmp_path / "a", tree)
+    path = jaxckpt.save(tmp_path / "b", tree, blocking=False)
+    jaxckpt.wait_until_finished()
+    assert views == [False, False]
+    restored = jaxckpt.restore(path, like=tree)
+    assert restored["odd"].sharding == tree["odd"].sharding
+    got = jax.tree.map(np.asarray, jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, restored))
+    for (where, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(where))
+    if tree["odd"].ndim and len(tree["odd"].sharding.device_set) > 1:  # recorded as saved, not as one device
+        index = json.loads((tmp_path / "b" / "index.json").read_text())
+        assert index["leaves"]["odd"]["sharding"].startswith("NamedSharding(")
+
+
+def test_a_deleted_bfloat16_array_in_a_tree_seen_before_is_refused_by_the_call(tmp_path):
+    tree = _bfloat16_tree()
+    jaxckpt.save(tmp_path / "first", tree)
+    tree["l2"]["w"].delete()
+    with pytest.raises(UnsupportedValueError, match=r"'l2/w'.*deleted"):
+        jaxckpt.save(tmp_path / "second", tree, blocking=False)
+    jaxckpt.wait_until_finished()
+    assert not (tmp_path / "second").exists()
+
+
+def _mesh():
+    return jax.make_mesh((8,), ("x",))
+
+
+def _is_key(x):
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
