@@ -7,7 +7,7 @@ The ``many`` workload's 10,000 leaves (1,000 transformer-like blocks of 10 array
 as a dict of float32 arrays, the same in bfloat16 (arrays that export no Python buffer), inside a
 flax ``TrainState`` (a flax.struct dataclass, with SGD's empty state), and as a ``FrozenDict`` of
 FrozenDicts; and ``nnx``: the docs' ``jaxckpt.Checkpoint(model=..., optimizer=...)`` of a Flax NNX
-model of 300 ``nnx.Linear(64, 64)`` and its ``nnx.Optimizer`` (adam), 1,804 leaves, 30 MB. Each kind is saved with ``blocking=False`` ``--saves`` times in one process, after one
+model of 300 ``nnx.Linear(64, 64)`` and its ``nnx.Optimizer`` (adam), 1,803 leaves, 15 MB. Each kind is saved with ``blocking=False`` ``--saves`` times in one process, after one
 untimed save (a training loop's steady state), each save waited for and deleted before the next;
 reported: the median time the caller waited and the median total, in ms.
 """
@@ -117,7 +117,7 @@ def main() -> None:
                 assert src is None or result["jaxckpt"].startswith(src), result["jaxckpt"]  # the revision asked for
                 results.setdefault((kind, name), []).append(result)
     print(
-        f"async save (10,000 leaves; nnx: 1,804): median of {args.saves} saves a process, {args.reps} process(es); load {os.getloadavg()[0]:.2f}"
+        f"async save (10,000 leaves; nnx: 1,803): median of {args.saves} saves a process, {args.reps} process(es); load {os.getloadavg()[0]:.2f}"
     )
     print("| tree | " + " | ".join(f"{name}: blocks / total ms" for name in sources) + " |")
     print("|---|" + "---:|" * len(sources))
