@@ -88,16 +88,13 @@ class _PackedLeaves:
         # The record's keys sorted: at (crc32c, nbytes, offset, pack), container, dtype, shape,
         # sharding, type. Its numbers are Python ints (json.dumps writes int.__repr__; bool is refused).
         crc, nbytes, offset, pack = numbers = (at.checksum, at.nbytes, at.offset, at.pack)
-        if not all(type(n) is int for n in numbers):
-            return canonical_text(leaf_to_json(leaf, {}))
-        shape = leaf.shape
-        kind = (leaf.dtype, shape, leaf.container, leaf.sharding)
+        kind = (leaf.dtype, leaf.shape, leaf.container, leaf.sharding)
         tail = self._tails.get(kind)
-        if tail is None:
-            if not all(type(n) is int for n in shape):
-                return canonical_text(leaf_to_json(leaf, {}))
+        if tail is None and all(type(n) is int for n in leaf.shape):
             record = canonical_text({k: v for k, v in leaf_to_json(leaf, {}).items() if k != "at"})
             tail = self._tails[kind] = "}," + record[1:]
+        if tail is None or not all(type(n) is int for n in numbers):  # as json.dumps writes (or refuses) it
+            return canonical_text(leaf_to_json(leaf, {}))
         return f'{{"at":{{"crc32c":{crc},"nbytes":{nbytes},"offset":{offset},"pack":{pack}{tail}'
 
 

@@ -125,8 +125,7 @@ def one_cpu_view(x: jax.Array) -> np.ndarray:
     global _numpy_of_one_shard
     if _numpy_of_one_shard is None:
         _numpy_of_one_shard = _checked_numpy_of_one_shard()
-    data, copied = _numpy_of_one_shard(x)
-    return data if not copied else np.asarray(x)
+    return _numpy_of_one_shard(x)[0]  # a copy only off the CPU, where np.asarray copies too
 
 
 def _checked_numpy_of_one_shard() -> Callable[[Any], tuple[np.ndarray, bool]]:
