@@ -28,8 +28,21 @@ def checksummed_json(body: Mapping[str, Any]) -> bytes:
 
 def with_checksum(canonical: bytes) -> bytes:
     """The canonical JSON of an object (not empty, without a ``checksum`` field) with one put in
-    front, in one copy (an index of a million leaves is 150 MB)."""
+    front, in one copy."""
     return b"".join((b'{"checksum":"crc32:%08x",' % zlib.crc32(canonical), memoryview(canonical)[1:], b"\n"))
+
+
+CHECKSUM_SLOT = b'{"checksum":"crc32:00000000",'
+
+
+def fill_checksum(data: bytearray) -> bytearray:
+    """What :func:`with_checksum` makes, in place: ``data`` is :data:`CHECKSUM_SLOT` followed by
+    the canonical JSON of an object without its opening ``{`` (an object not empty, without a
+    ``checksum`` field). An index of a million leaves is 150 MB: built in place, it is never copied."""
+    head = len(CHECKSUM_SLOT)
+    data[:head] = b'{"checksum":"crc32:%08x",' % zlib.crc32(memoryview(data)[head:], zlib.crc32(b"{"))
+    data += b"\n"
+    return data
 
 
 def check_checksum(data: bytes, body: dict[str, Any], where: str) -> None:

@@ -100,8 +100,8 @@ def copy_checkpoint(
     if me != 0:
         staging = _staging.staging_folder(dest, token)
     try:
-        index = (source / INDEX_FILE).read_bytes()
-        parsed = decode_index(index, str(source / INDEX_FILE)) if many or memory is not None else None
+        data = (source / INDEX_FILE).read_bytes()
+        parsed = decode_index(data, str(source / INDEX_FILE)) if many or memory is not None else None
         save = parsed.save if parsed is not None else None
         refs = memory.refer(source, files, save) if memory is not None and dest.local is None and save else {}
         skipped = {f for store, arrays in refs.items() for a in arrays for f in files if f.startswith(f"{store}/{a}/")}
@@ -115,8 +115,7 @@ def copy_checkpoint(
         changed = _process_states.gather(token, parsed) if many and parsed is not None else False  # their states
         if uses and parsed is not None and not parsed.refs:
             parsed.refs = changed = True  # version 6 (jaxckpt._refs)
-        if changed and parsed is not None:
-            index = encode_index(parsed)
+        index = encode_index(parsed) if changed and parsed is not None else data
         _multihost.barrier(f"{name}/written")
         if me == 0:
             _staging.publish(staging, dest, index, overwrite)

@@ -174,7 +174,7 @@ class Layout:
     spec: tuple[tuple[str, ...], ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class InArray:
     """The leaf is its own zarr3 array at ``path``, stored as ``stored`` dtype.
 
@@ -193,7 +193,7 @@ class InArray:
     layout: Layout | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class InPack:
     """The leaf is ``nbytes`` little-endian C-order bytes at ``offset`` in pack ``pack``, with their
     ``checksum``: CRC-32C from format version 4 (as every chunk of an array), zlib's CRC-32 before."""
@@ -212,7 +212,7 @@ class InForeign:
     ref: Any
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ArrayLeaf:
     dtype: np.dtype
     shape: tuple[int, ...]
@@ -236,7 +236,7 @@ class ArrayLeaf:
         return self.shape[: len(self.shape) - len(key_data)]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ValueLeaf:
     """A Python scalar, str or None (``type`` in SCALAR_TYPES or "none"), or an object's ``state``
     (JSON) or ``state_bytes`` (bytes), or ``state_per_process``: a tuple of those two, one per process."""

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from json.encoder import encode_basestring
 from typing import Any
 
-from jaxckpt._checked_json import canonical_text, with_checksum
+from jaxckpt._checked_json import CHECKSUM_SLOT, canonical_text, fill_checksum
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt._format import (
     FORMAT_NAME,
@@ -98,10 +98,15 @@ class _PackedLeaves:
         return f'{{"at":{{"crc32c":{crc},"nbytes":{nbytes},"offset":{offset},"pack":{pack}{tail}'
 
 
-def _leaves_text(leaves: Mapping[str, Leaf], meshes: Mapping[int, int]) -> str:
-    """The ``leaves`` object as canonical JSON: what ``canonical_text`` makes of each leaf's record."""
+_BATCH = 4096  # records joined and encoded at a time: a few hundred kB, still in cache
+
+
+def _add_leaves(out: bytearray, leaves: Mapping[str, Leaf], meshes: Mapping[int, int]) -> None:
+    """The ``leaves`` object as canonical JSON, encoded onto ``out``: what ``canonical_text`` makes of
+    each leaf's record, joined and encoded a batch at a time rather than as one string copied whole."""
     packed = _PackedLeaves()
-    parts = []
+    out += b"{"
+    batch: list[str] = []
     for key in sorted(leaves):  # json.dumps sorts the items: the keys differ, so by key alone
         leaf = leaves[key]
         at = getattr(leaf, "at", None)
@@ -109,12 +114,20 @@ def _leaves_text(leaves: Mapping[str, Leaf], meshes: Mapping[int, int]) -> str:
             record = packed.text(leaf, at)
         else:
             record = canonical_text(leaf_to_json(leaf, meshes))
-        parts.append(encode_basestring(key) + ":" + record)
-    return "{" + ",".join(parts) + "}"
+        batch.append(f"{encode_basestring(key)}:{record}")
+        if len(batch) == _BATCH:
+            out += ",".join(batch).encode()
+            out += b","
+            batch.clear()
+    if batch:
+        out += ",".join(batch).encode()
+    elif out[-1:] == b",":
+        del out[-1:]
+    out += b"}"
 
 
 @gc_paused
-def encode_index(index: Index) -> bytes:
+def encode_index(index: Index) -> bytearray:
     """The index file: compact canonical JSON with a crc32 of itself (without the checksum field)."""
     too_deep = deepest(index.nodes)
     if too_deep is not None:
@@ -141,7 +154,13 @@ def encode_index(index: Index) -> bytes:
     if index.save is not None:
         body["save"] = index.save
     # The body's fields in key order, "leaves" among them: as json.dumps(sort_keys=True) puts them.
-    fields = {key: canonical_text(value) for key, value in body.items()}
-    fields["leaves"] = _leaves_text(index.leaves, meshes)
-    text = "{" + ",".join(encode_basestring(key) + ":" + fields[key] for key in sorted(fields)) + "}"
-    return with_checksum(text.encode())
+    # Encoded straight after the checksum's slot, so that the file is made in one buffer.
+    out = bytearray(CHECKSUM_SLOT)
+    for i, key in enumerate(sorted([*body, "leaves"])):
+        out += f"{',' if i else ''}{encode_basestring(key)}:".encode()
+        if key == "leaves":
+            _add_leaves(out, index.leaves, meshes)
+        else:
+            out += canonical_text(body[key]).encode()
+    out += b"}"
+    return fill_checksum(out)

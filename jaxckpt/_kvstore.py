@@ -269,7 +269,7 @@ def kv_exceeds(base: dict[str, Any], key: str, limit: int) -> bool | None:
     return bool(beyond.value)
 
 
-def kv_write(base: dict[str, Any], key: str, value: bytes) -> None:
+def kv_write(base: dict[str, Any], key: str, value: bytes | bytearray) -> None:
     """Write one value (one object: replaced whole or not at all)."""
     _kv_call(repr(key), base, key, lambda kv: kv.write(key, value))
 

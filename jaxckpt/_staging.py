@@ -267,7 +267,7 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def publish(staging: Location, path: Location, index: bytes, overwrite: bool) -> None:
+def publish(staging: Location, path: Location, index: bytes | bytearray, overwrite: bool) -> None:
     """Write the index, which makes the finished checkpoint in ``staging`` appear at ``path``.
 
     Locally: the index and every folder are made durable, then the staging folder is renamed into
@@ -288,7 +288,7 @@ def publish(staging: Location, path: Location, index: bytes, overwrite: bool) ->
         _release(staged)
 
 
-def _publish_local(staged: Path, dest: Path, path: Location, index: bytes, overwrite: bool) -> None:
+def _publish_local(staged: Path, dest: Path, path: Location, index: bytes | bytearray, overwrite: bool) -> None:
     try:
         _storage.write_durable(staged / INDEX_FILE, index)
         # The checkpoint must not carry the owner file. Its lock stays held (on the unlinked file) until

@@ -471,7 +471,7 @@ def no_index(path: Location) -> CheckpointNotFoundError | NotACheckpointError:
     )
 
 
-def write_durable(path: Path, data: bytes) -> None:
+def write_durable(path: Path, data: bytes | bytearray) -> None:
     """Write the file ``path`` and make its bytes durable; a refusing storage (a full disk, no
     permission) is a :class:`StorageError` naming the file, as for the data a save writes."""
     try:

@@ -111,3 +111,17 @@ def test_equal_kinds_share_one_template_and_keep_their_own_numbers():
     assert [records[f"w{i}"]["at"] for i in range(50)] == [
         {"pack": i % 3, "offset": 16 * i, "nbytes": 16, "crc32c": 1000 + i} for i in range(50)
     ]
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 4, 5, 6, 7])
+def test_records_encoded_in_batches_join_as_one_text(count, monkeypatch):
+    # Batches of 3: none, one short, one full, a full one and a short one, two full ones...
+    monkeypatch.setattr(_index_encode, "_BATCH", 3)
+    leaves = {f"k{i}": ArrayLeaf(np.dtype("float32"), (4,), "jax", InPack(0, 16 * i, 16, i)) for i in range(count)}
+    leaves.update({"é": ValueLeaf("int", count)} if count % 2 else {})
+    data = _index_encode.encode_index(_index(leaves))
+    assert data == _canonical(data)
+    body = json.loads(data)
+    del body["checksum"]
+    assert data == _checked_json.with_checksum(_checked_json.canonical_json(body))
+    assert sorted(body["leaves"]) == sorted(leaves)
