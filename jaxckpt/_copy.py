@@ -26,7 +26,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from jaxckpt import (
     _staging,
     _storage,
 )
-from jaxckpt._copy_memory import CopyMemory
+from jaxckpt._copy_memory import Copied, CopyMemory, link
 from jaxckpt._errors import CheckpointCorruptedError
 from jaxckpt._format import INDEX_FILE, data_store
 from jaxckpt._index_encode import encode_index
@@ -104,9 +104,10 @@ def copy_checkpoint(
         parsed = decode_index(data, str(source / INDEX_FILE)) if many or memory is not None else None
         save = parsed.save if parsed is not None else None
         refs = memory.refer(source, files, save) if memory is not None and dest.local is None and save else {}
+        links = memory.linkable(source, files, save) if memory is not None and dest.local is not None and save else {}
         skipped = {f for store, arrays in refs.items() for a in arrays for f in files if f.startswith(f"{store}/{a}/")}
         copied = [f for f in files if f not in skipped]
-        _copy_files(source, staging, copied, _save.host_memory_budget() if budget is None else budget, on_file, memory)
+        _copy_files(source, staging, copied, _save.host_memory_budget() if budget is None else budget, on_file, links)
         for store, arrays in refs.items():
             _kvstore.kv_write((staging / store).spec(), _refs_json.REFS_FILE, _refs_json.encode(save or "", arrays))
         uses = _copy_memory.uses(refs)
@@ -173,9 +174,10 @@ def _copy_files(
     files: Sequence[str],
     budget: int,
     on_file: Callable[[int], None] | None,
-    memory: CopyMemory | None = None,
+    links: Mapping[str, Copied] | None = None,
 ) -> None:
-    """Copy ``files`` of ``source`` into ``staging``, several at once while their cost fits ``budget``."""
+    """Copy ``files`` of ``source`` into ``staging``, several at once while their cost fits ``budget``;
+    those in ``links`` are hard-linked from the durable tier's copies instead where they still can be."""
     limit = _Budget(budget)
     said = threading.Lock()  # on_file is called once at a time
     failed: list[BaseException] = []
@@ -183,10 +185,11 @@ def _copy_files(
     def copy(rel: str, cost: int) -> None:
         try:
             # What the durable tier holds already is hard-linked there (jaxckpt._copy_memory), not copied.
-            target = staging.local / rel if staging.local is not None and memory is not None else None
+            copied = links.get(rel) if links and staging.local is not None else None
+            target = staging.local / rel if copied is not None and staging.local is not None else None
             if target is not None:
                 target.parent.mkdir(parents=True, exist_ok=True)
-            linked = target is not None and memory is not None and memory.link(target, source / rel)
+            linked = target is not None and copied is not None and link(target, source / rel, copied)
             size = 0 if linked else _copy_file(source / rel, staging, rel)
             if on_file is not None:
                 with said:

@@ -8,8 +8,15 @@ durable copy put where, and the next copy does not copy such files again:
 - **to a bucket**, an array whose every shard file is one the last copy copied (or referred to) as
   one array is stored by reference to the durable checkpoint that holds it (:mod:`jaxckpt._refs`):
   none of its objects is uploaded, and ``<store>/refs.json`` says where they are;
-- **to a local folder** on the same file system, such a file is hard-linked from the durable
-  checkpoint's copy of it, if that is still the file copied (same inode); otherwise it is copied.
+- **to a local folder** on the same file system, the shard files of such an array are hard-linked
+  from the durable checkpoint's copies of them, if those are still the files copied (same inode);
+  otherwise they are copied.
+
+In both cases the array's CRC-32Cs that the new checkpoint's ``checksums.json`` lists must equal
+those of the array copied before, and locally each file's size and modification time too. An inode
+alone does not name a file's bytes: the file system gives the inode of a file that local retention
+deleted to a new file, often in the very next save, and a pack (rewritten at every save) would then
+be linked with the old checkpoint's bytes. Packs, ``zarr.json`` files and the index are always copied.
 
 Only the last copy is remembered: the durable tier's retention always keeps the latest checkpoint,
 which holds or refers to everything remembered; ``delete`` makes the manager forget.
@@ -20,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxckpt._checksums import StoreChecksums, hinted_crcs, read_hint
 from jaxckpt._refs_json import STORE, Ref
@@ -39,16 +46,49 @@ def _arrays(files: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
+def _shards(array: str, files: Sequence[str]) -> list[str]:
+    return [rel for rel in files if rel.startswith(f"{array}/c/")]
+
+
 def _key(source: Path, array: str, files: Sequence[str]) -> _Key | None:
     shards = []
-    for rel in files:
-        if rel.startswith(f"{array}/c/"):
-            try:
-                st = os.stat(source / rel)
-            except OSError:
-                return None
-            shards.append((rel[len(array) + 1 :], st.st_dev, st.st_ino))
+    for rel in _shards(array, files):
+        try:
+            st = os.stat(source / rel)
+        except OSError:
+            return None
+        shards.append((rel[len(array) + 1 :], st.st_dev, st.st_ino))
     return tuple(sorted(shards)) or None
+
+
+def _copied(source: Path, dest: Path, rel: str) -> Copied:
+    st = os.stat(source / rel)
+    return Copied(str(dest / rel), os.stat(dest / rel).st_ino, st.st_size, st.st_mtime_ns)
+
+
+def link(target: Path, path: Path, copied: Copied) -> bool:
+    """Local: hard-link ``copied`` (see :meth:`CopyMemory.linkable`) to ``target`` if ``path`` is still the
+    file copied then and the copy still the one made; whether it did."""
+    try:
+        st = os.stat(path)
+        if (st.st_size, st.st_mtime_ns) != (copied.size, copied.mtime_ns):
+            return False
+        os.link(copied.copy, target)
+        if os.stat(target).st_ino == copied.inode:
+            return True
+        os.unlink(target)  # another file was put at the copy's path since
+    except OSError:
+        pass
+    return False
+
+
+class Copied(NamedTuple):
+    """A shard file that the last copy copied to a local folder."""
+
+    copy: str  # the durable checkpoint's copy of it
+    inode: int  # the copy's inode then
+    size: int  # the local file's size and modification time then
+    mtime_ns: int
 
 
 class CopyMemory:
@@ -56,57 +96,75 @@ class CopyMemory:
 
     def __init__(self) -> None:
         self._refs: dict[_Key, Ref] = {}  # bucket: an array's shard files -> where its bytes are
-        self._files: dict[tuple[int, int], tuple[str, int]] = {}  # local: (device, inode) -> (copy, its inode)
+        # local: an array's shard files -> its listed CRCs, and each shard file's copy by chunk key
+        self._copies: dict[_Key, tuple[dict[int, tuple[int, ...]], dict[str, Copied]]] = {}
 
     def forget(self) -> None:
-        self._refs, self._files = {}, {}
+        self._refs, self._copies = {}, {}
 
     def refer(self, source: Path, files: Sequence[str], save: str) -> dict[str, dict[str, Ref]]:
         """Bucket: the arrays of ``files`` to store by reference, by data store -> array -> Ref."""
         out: dict[str, dict[str, Ref]] = {}
         sums: dict[str, StoreChecksums | None] = {}
-        for array, array_files in _arrays(files).items():
-            key = _key(source, array, array_files)
-            ref = self._refs.get(key) if key is not None else None
-            if ref is None:
-                continue
-            store, path = array.split("/", 1)
-            crcs = _crcs(source, store, path, save, sums)
-            if crcs and set(crcs) <= set(ref.shards) and all(ref.shards[n] == c for n, c in crcs.items()):
+        for array, key, crcs in self._known(source, files, save, self._refs, sums):
+            ref = self._refs[key]
+            if set(crcs) <= set(ref.shards) and all(ref.shards[n] == c for n, c in crcs.items()):
+                store, path = array.split("/", 1)
                 out.setdefault(store, {})[path] = ref._replace(shards=crcs)
         return out
 
-    def link(self, target: Path, path: Path) -> bool:
-        """Local: hard-link the copy of ``path`` that the last copy made to ``target``; whether it did."""
-        try:
-            st = os.stat(path)
-            copied = self._files.get((st.st_dev, st.st_ino))
-            if copied is None:
-                return False
-            os.link(copied[0], target)
-            if os.stat(target).st_ino == copied[1]:
-                return True
-            os.unlink(target)  # another file was put at the copy's path since
-        except OSError:
-            pass
-        return False
+    def linkable(self, source: Path, files: Sequence[str], save: str) -> dict[str, Copied]:
+        """Local: the shard files of ``files`` (relative paths) that the last copy copied, as arrays
+        whose listed CRCs are unchanged -> their copies, to hard-link (:func:`link`)."""
+        out: dict[str, Copied] = {}
+        for array, key, crcs in self._known(source, files, save, self._copies, {}):
+            listed, copies = self._copies[key]
+            if crcs == listed:
+                out.update({f"{array}/{chunk}": copied for chunk, copied in copies.items()})
+        return out
+
+    @staticmethod
+    def _known(
+        source: Path, files: Sequence[str], save: str, known: Mapping[_Key, Any], sums: dict[str, StoreChecksums | None]
+    ) -> list[tuple[str, _Key, dict[int, tuple[int, ...]]]]:
+        """The arrays of ``files`` whose shard files are those of an array in ``known``, with their
+        key there and the CRCs the checkpoint lists for them (arrays it lists none for are left out)."""
+        out = []
+        for array, array_files in _arrays(files).items():
+            key = _key(source, array, array_files)
+            if key is None or key not in known:
+                continue
+            store, path = array.split("/", 1)
+            crcs = _crcs(source, store, path, save, sums)
+            if crcs:
+                out.append((array, key, crcs))
+        return out
 
     def remember(
         self, source: Path, files: Sequence[str], dest: Location, save: str, refs: Mapping[str, Mapping[str, Ref]]
     ) -> None:
         """After a copy of ``files`` of ``source`` published at ``dest`` (which refers to ``refs``)."""
+        sums: dict[str, StoreChecksums | None] = {}
         if dest.local is not None:
-            found: dict[tuple[int, int], tuple[str, int]] = {}
-            for rel in files:
+            self._copies = {}
+            for array, array_files in _arrays(files).items():
+                key = _key(source, array, array_files)
+                store, path = array.split("/", 1)
+                crcs = _crcs(source, store, path, save, sums) if key is not None else None
+                if key is None or not crcs:
+                    continue
                 try:
-                    st, copy = os.stat(source / rel), os.stat(dest.local / rel)
+                    self._copies[key] = (
+                        crcs,
+                        {
+                            rel[len(array) + 1 :]: _copied(source, dest.local, rel)
+                            for rel in _shards(array, array_files)
+                        },
+                    )
                 except OSError:
                     continue
-                found[(st.st_dev, st.st_ino)] = (str(dest.local / rel), copy.st_ino)
-            self._files = found
             return
         remembered: dict[_Key, Ref] = {}
-        sums: dict[str, StoreChecksums | None] = {}
         for array, array_files in _arrays(files).items():
             key = _key(source, array, array_files)
             store, path = array.split("/", 1)
