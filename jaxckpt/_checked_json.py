@@ -26,13 +26,14 @@ def checksummed_json(body: Mapping[str, Any]) -> bytes:
     return with_checksum(canonical_json(body))
 
 
+_HEAD = b'{"checksum":"crc32:%08x",'  # the file's start: "checksum" sorts first
+CHECKSUM_SLOT = _HEAD % 0
+
+
 def with_checksum(canonical: bytes) -> bytes:
     """The canonical JSON of an object (not empty, without a ``checksum`` field) with one put in
     front, in one copy."""
-    return b"".join((b'{"checksum":"crc32:%08x",' % zlib.crc32(canonical), memoryview(canonical)[1:], b"\n"))
-
-
-CHECKSUM_SLOT = b'{"checksum":"crc32:00000000",'
+    return b"".join((_HEAD % zlib.crc32(canonical), memoryview(canonical)[1:], b"\n"))
 
 
 def fill_checksum(data: bytearray) -> bytearray:
@@ -40,7 +41,7 @@ def fill_checksum(data: bytearray) -> bytearray:
     the canonical JSON of an object without its opening ``{`` (an object not empty, without a
     ``checksum`` field). An index of a million leaves is 150 MB: built in place, it is never copied."""
     head = len(CHECKSUM_SLOT)
-    data[:head] = b'{"checksum":"crc32:%08x",' % zlib.crc32(memoryview(data)[head:], zlib.crc32(b"{"))
+    data[:head] = _HEAD % zlib.crc32(memoryview(data)[head:], zlib.crc32(b"{"))
     data += b"\n"
     return data
 

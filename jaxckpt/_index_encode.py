@@ -106,6 +106,7 @@ def _add_leaves(out: bytearray, leaves: Mapping[str, Leaf], meshes: Mapping[int,
     each leaf's record, joined and encoded a batch at a time rather than as one string copied whole."""
     packed = _PackedLeaves()
     out += b"{"
+    start = len(out)
     batch: list[str] = []
     for key in sorted(leaves):  # json.dumps sorts the items: the keys differ, so by key alone
         leaf = leaves[key]
@@ -116,14 +117,17 @@ def _add_leaves(out: bytearray, leaves: Mapping[str, Leaf], meshes: Mapping[int,
             record = canonical_text(leaf_to_json(leaf, meshes))
         batch.append(f"{encode_basestring(key)}:{record}")
         if len(batch) == _BATCH:
-            out += ",".join(batch).encode()
-            out += b","
-            batch.clear()
-    if batch:
-        out += ",".join(batch).encode()
-    elif out[-1:] == b",":
-        del out[-1:]
+            _join_onto(out, start, batch)
+    _join_onto(out, start, batch)
     out += b"}"
+
+
+def _join_onto(out: bytearray, start: int, records: list[str]) -> None:
+    """Append ``records`` to ``out``, after a comma unless they are the first (at ``start``); empty it."""
+    if records:
+        out += b"," if len(out) > start else b""
+        out += ",".join(records).encode()
+        records.clear()
 
 
 @gc_paused
