@@ -11,7 +11,8 @@ string -> ``~e``; an int dict key whose text equals a sibling str key (``{0: a, 
 ``~i0``. The node table records each node's original keys (JSON keeps int and str apart), so the
 escaping is only for readability and uniqueness, never the source of truth.
 
-This is the only module that knows about Flax NNX. A module, its ``nnx.State`` and its pure dict
+This module knows about Flax NNX, with :mod:`jaxckpt._nnx_state` (which spares a training loop's
+saves Flax's graph traversal). A module, its ``nnx.State`` and its pure dict
 (``nnx.to_pure_dict``) give the same keys (``net/l1/kernel``), so a checkpoint written from any one
 restores into any other:
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from jaxckpt._errors import MismatchError, MissingKeyError, UnsupportedValueError
 from jaxckpt._gc_pause import gc_paused as gc_paused  # where the other modules have always found it
+from jaxckpt._nnx_state import pure_state
 
 # A path as users give it (jaxckpt's calls take either).
 PathLike = str | os.PathLike[str]
@@ -275,7 +277,7 @@ def _decompose_nnx(x: Any, prefix: str) -> _Node:
     nnx = _nnx()
     assert nnx is not None  # x is an NNX node, so flax.nnx is imported
     try:
-        pure = nnx.to_pure_dict(nnx.state(x))
+        pure = pure_state(nnx, x)
     except Exception as e:
         raise UnsupportedValueError(
             f"Cannot read the state of the Flax NNX {_class_name(x)} at {describe(prefix)}: {_flax_failure(e)}. "
