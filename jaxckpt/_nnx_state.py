@@ -8,15 +8,20 @@ that decides what that State holds depends only on the objects in the graph: whi
 attribute of each graph node is. So after a full call, what Flax's traversal saw is remembered: each
 node visited with the objects its ``flatten`` gave (weakly where they allow it, as the root object),
 and the pure dict's paths with their Variables in the order ``to_pure_dict`` reads them. The next
-call walks the graph again by the same ``flatten`` and compares object identities only (a few ms);
-if every node gives the very objects it gave before, the State would be the same, and the pure dict
-is made from the remembered paths and each Variable's value now. Anything else (a submodule
-replaced, an attribute added, removed or rebound, a Variable swapped for another, a node's data
-turned static, the root gone, an error) makes the full call again, and what it saw is remembered.
+call walks the graph again by the same ``flatten`` and compares object identities only; pytree
+nodes (tuples, optax states), which ``nnx.jit`` rebuilds at every step and Flax never shares, are
+compared by their children instead. If every node gives the very objects it gave before, the State
+would be the same, and the pure dict is made from the remembered paths and each Variable's value
+now (``get_value()``, or the raw array where that is what it would return). Anything else (a
+submodule replaced, an attribute added, removed or rebound, a Variable swapped for another, a
+node's data turned static, the root gone, an error) makes the full call again, and what it saw is
+remembered. For the 300 layers and their optimizer, a save's wait goes from 35 to 13 ms.
 
 Not remembered: objects whose state holds anything but Variables (a plain array as an attribute
 would be kept alive here), trees in Flax's tree mode (``nnx.set_graph_mode``), another Flax whose
-internals differ, and a traversal whose replayed dict differs from the one Flax made (checked once).
+internals differ, and a traversal whose replayed dict differs from the one Flax made (checked
+once, leaf for leaf). What is remembered holds the last save's Variables (the model's own, unless
+one was replaced since) until the object is collected or saved again.
 """
 
 from __future__ import annotations
@@ -140,8 +145,8 @@ _PYTREE = object()  # a child that is a pytree node: compared by its own childre
 
 def _walk(flax: types.SimpleNamespace, node: Any, nodes: list[tuple[Any, Any, list[Any]]], visited: set[int]) -> None:
     """The nodes that Flax's graph flatten visits from ``node`` (see ``graphlib._graph_flatten``), in
-    its order: each node's type, NodeImpl, and its children (key, kind, and the child held, or
-    :data:`_PYTREE` for a pytree node, which Flax rebuilds freely and never shares)."""
+    its order: each node's type, NodeImpl, and its children as (key, kind, the child held or
+    :data:`_PYTREE` for a pytree node, which Flax rebuilds freely and never shares, its NodeImpl)."""
     impl = flax.graph.get_node_impl(node)
     if impl is None:  # a Variable, an array or a static value
         return
@@ -152,15 +157,12 @@ def _walk(flax: types.SimpleNamespace, node: Any, nodes: list[tuple[Any, Any, li
     children = _children(flax, node, impl)
     held: list[Any] = []
     for key, kind, value in children:
-        held += (key, kind, _PYTREE if _is_pytree(flax, value) else _held(value))
+        child = flax.graph.get_node_impl(value)
+        held += (key, kind, _PYTREE if type(child) is flax.graph.PytreeNodeImpl else _held(value), child)
     nodes.append((type(node), impl, held))
     for _, kind, value in children:
         if kind != 0:
             _walk(flax, value, nodes, visited)
-
-
-def _is_pytree(flax: types.SimpleNamespace, x: Any) -> bool:
-    return type(flax.graph.get_node_impl(x)) is flax.graph.PytreeNodeImpl
 
 
 def _unchanged(flax: types.SimpleNamespace, root: Any, nodes: list[tuple[Any, Any, list[Any]]]) -> bool:
@@ -168,12 +170,10 @@ def _unchanged(flax: types.SimpleNamespace, root: Any, nodes: list[tuple[Any, An
     with the same children: the same objects, pytree nodes aside (whose children are compared)."""
     remembered = iter(nodes)
     visited: set[int] = set()
+    pytree = flax.graph.PytreeNodeImpl
 
-    def same(node: Any) -> bool:
-        impl = flax.graph.get_node_impl(node)
-        if impl is None:
-            return True
-        if type(impl) is not flax.graph.PytreeNodeImpl:
+    def same(node: Any, impl: Any) -> bool:
+        if type(impl) is not pytree:
             if id(node) in visited:
                 return True
             visited.add(id(node))
@@ -181,24 +181,45 @@ def _unchanged(flax: types.SimpleNamespace, root: Any, nodes: list[tuple[Any, An
         if type(node) is not cls or impl is not was_impl or held is None:
             return False
         children = _children(flax, node, impl)
-        if len(children) * 3 != len(held):
+        if len(children) * 4 != len(held):
             return False
         for i, (key, kind, value) in enumerate(children):
-            was, tree = held[3 * i + 2], _is_pytree(flax, value)
-            if held[3 * i] != key or held[3 * i + 1] != kind or (was is _PYTREE) != tree:
+            was, child = held[4 * i + 2], held[4 * i + 3]
+            if held[4 * i] != key or held[4 * i + 1] != kind:
                 return False
-            if not tree and not _same(was, value):
+            # The same object has the same NodeImpl: only a pytree child, maybe a new one, is looked up.
+            if not (flax.graph.get_node_impl(value) is child if was is _PYTREE else _same(was, value)):
                 return False
-        return all(same(value) for _, kind, value in children if kind != 0)
+        return all(
+            same(value, held[4 * i + 3])
+            for i, (_, kind, value) in enumerate(children)
+            if kind != 0 and held[4 * i + 3] is not None
+        )
 
-    return same(root) and next(remembered, None) is None
+    impl = flax.graph.get_node_impl(root)
+    return impl is not None and same(root, impl) and next(remembered, None) is None
 
 
 def _replayed(flax: types.SimpleNamespace, seen: _Seen) -> dict[Any, Any]:
     """What ``nnx.to_pure_dict`` makes of the remembered state, with the Variables' values now."""
-    values = [v.get_value() for v in seen.variables]
+    values = _values(flax, seen.variables)
     unflatten: Callable[[dict[Any, Any]], dict[Any, Any]] = flax.traversals.unflatten_mapping
     return unflatten(dict(zip(seen.paths, values)))
+
+
+def _values(flax: types.SimpleNamespace, variables: list[Any]) -> list[Any]:
+    """Each Variable's ``get_value()``. Where that would return its raw value as it is (a jax array,
+    which ``get_value``'s copy of its tree leaves as it is, no hooks, the method not overridden),
+    the raw value is read directly: Flax's call costs several microseconds a Variable."""
+    plain = flax.variables.Variable.get_value
+    out = []
+    for v in variables:
+        raw = getattr(v, "_raw_value", None)
+        if type(raw).__name__ == "ArrayImpl" and type(v).get_value is plain and "on_get_value" not in v._var_metadata:
+            out.append(raw)
+        else:
+            out.append(v.get_value())
+    return out
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -238,3 +238,34 @@ def test_flax_tree_mode_goes_through_flax_every_time():
         _check(flax, net, remembered=False)
         _check(flax, net, remembered=False)
     _check(flax, net, remembered=True)
+
+
+def _values_equal(a, b) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_a_get_value_hook_added_after_remembering_is_called():
+    net = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    flax = _Counting()
+    _check(flax, net, remembered=False)
+    net.bias.set_metadata("on_get_value", lambda variable, value: value + 7)
+    _values_equal(_nnx_state.pure_state(flax, net), nnx.to_pure_dict(nnx.state(net)))
+    assert flax.calls == 1  # the same graph: replayed, with Flax's get_value where a hook is set
+    np.testing.assert_array_equal(_nnx_state.pure_state(flax, net)["bias"], np.full(4, 7.0, np.float32))
+
+
+class DoubledParam(nnx.Param):
+    def get_value(self, **kwargs):
+        return super().get_value(**kwargs) * 2
+
+
+def test_a_variable_class_of_its_own_get_value_is_read_through_it():
+    net = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    net.scale = DoubledParam(jnp.ones(3))
+    flax = _Counting()
+    for _ in range(2):  # a new array at each call: never the same leaves as Flax's, so never remembered
+        got = _nnx_state.pure_state(flax, net)
+        _values_equal(got, nnx.to_pure_dict(nnx.state(net)))
+        np.testing.assert_array_equal(got["scale"], np.full(3, 2.0, np.float32))
+    assert flax.calls == 2
