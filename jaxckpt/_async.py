@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -29,6 +30,24 @@ _lock = threading.Lock()
 # tier (jaxckpt._tiers), so that a slow copy to a bucket never holds up the next save's write.
 _executors: dict[str, ThreadPoolExecutor] = {}
 _uncollected: set[Future[Any]] = set()  # failed or pending futures whose owner has not looked yet
+_writing: dict[Future[Any], str] = {}  # saves not done yet -> the checkpoint each writes (see destination)
+
+
+def destination(location: Any) -> str:
+    """What :func:`settle_writes` matches a save's checkpoint by: a ``jaxckpt._storage.Location``'s
+    absolute local path, or its URL."""
+    local = getattr(location, "local", None)
+    return os.path.normpath(os.fspath(local)) if local is not None else str(location.text).rstrip("/")
+
+
+def settle_writes(place: str) -> list[BaseException]:
+    """Wait until no save of this process writes the checkpoint at ``place`` or one inside it (a
+    manager's directory), without collecting their outcomes (their owners raise them); returns the
+    errors of those that failed."""
+    with _lock:
+        futures = [f for f, dest in _writing.items() if dest == place or dest.startswith(place.rstrip("/") + "/")]
+    concurrent.futures.wait(futures)
+    return [e for f in futures if not f.cancelled() and (e := f.exception()) is not None]
 
 
 def _worker(pool: str) -> ThreadPoolExecutor:
@@ -56,12 +75,17 @@ class Background:
         """The last save is done and failed, and its error has not been raised to anyone yet."""
         return self._future is not None and self._future.done() and self._future.exception() is not None
 
-    def submit(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` in the background, after the previous save of this owner (raising its error)."""
+    def submit(self, fn: Callable[[], Any], writes: str | None = None) -> None:
+        """Run ``fn`` in the background, after the previous save of this owner (raising its error).
+        ``writes``: the :func:`destination` of the checkpoint it writes, which reads wait for."""
         self.wait()
         future = _worker(self._pool).submit(fn)
         with _lock:
             _uncollected.add(future)
+            if writes is not None:
+                _writing[future] = writes
+        if writes is not None:
+            future.add_done_callback(_written)  # at once if it is done already: never left in _writing
         self._future = future
 
     def settle(self, timeout: float | None = None) -> bool:
@@ -100,6 +124,11 @@ class Background:
             self._future = None
         with _lock:
             _uncollected.discard(future)
+
+
+def _written(future: Future[Any]) -> None:
+    with _lock:
+        _writing.pop(future, None)
 
 
 @atexit.register

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple, TypeVar
 
-from jaxckpt import _formats, _statefile, _storage
+from jaxckpt import _async, _formats, _statefile, _storage
 from jaxckpt._errors import CheckpointNotFoundError, NotACheckpointError
 from jaxckpt._foreign_opened import ForeignOpened
 from jaxckpt._format import INDEX_FILE
@@ -71,8 +71,22 @@ def open_checkpoint(path: PathLike | _storage.Location, index: bytes | None = No
 def open_latest(path: PathLike | _storage.Location) -> Opened:
     """The checkpoint at ``path``; a manager's directory (a state file, no index) means its latest
     checkpoint, as TensorFlow's ``load_variable`` takes a directory. So does a directory that
-    TensorFlow's, Orbax's or Flax's manager keeps."""
-    return open_found(probe(_storage.location(path)))
+    TensorFlow's, Orbax's or Flax's manager keeps.
+
+    A save of this process still writing that checkpoint (or one in that directory) in the
+    background is waited for first: the path that ``save(..., blocking=False)`` returned reads as
+    that save, not as missing."""
+    location = _storage.location(path)
+    failed = _async.settle_writes(_async.destination(location))
+    try:
+        return open_found(probe(location))
+    except CheckpointNotFoundError as e:
+        if not failed:
+            raise
+        raise CheckpointNotFoundError(
+            f"{e} A background save to it in this process failed: {failed[-1]!r} (its Checkpoint or manager "
+            "raises it at its next save or wait_until_finished())."
+        ) from failed[-1]
 
 
 def is_manager_directory(found: Probe) -> bool:

@@ -290,3 +290,64 @@ def test_the_background_holds_the_callers_data_not_its_arrays(tmp_path, held_bac
     restored = jaxckpt.restore(path)
     for k, v in expected.items():
         np.testing.assert_array_equal(restored[k], v, err_msg=k)
+
+
+@pytest.fixture
+def released_by_reads(held_background, monkeypatch):
+    """The held background save is let go when a read starts waiting for saves in flight; a read
+    that does not wait finds no checkpoint there (the save has not written anything)."""
+    from jaxckpt import _async
+
+    real = _async.settle_writes
+
+    def settle(place):
+        held_background.set()
+        return real(place)
+
+    monkeypatch.setattr(_async, "settle_writes", settle)
+    return held_background
+
+
+@pytest.mark.parametrize("read", ["restore", "list_variables", "load_variable"])
+def test_reading_a_checkpoint_this_process_is_still_writing_waits_for_it(tmp_path, released_by_reads, read):
+    ckpt = jaxckpt.Checkpoint(w=jnp.arange(6.0), step=4)
+    path = ckpt.save(tmp_path / "ckpt", blocking=False)
+    if read == "restore":
+        np.testing.assert_array_equal(jaxckpt.restore(path)["w"], np.arange(6.0))
+    elif read == "list_variables":
+        assert ("w", (6,)) in jaxckpt.list_variables(path)
+    else:
+        assert jaxckpt.load_variable(path, "step") == 4
+    ckpt.wait_until_finished()
+
+
+def test_restoring_a_managers_directory_waits_for_its_save_in_flight(tmp_path, released_by_reads):
+    ckpt = jaxckpt.Checkpoint(w=jnp.zeros(3), step=0)
+    manager = jaxckpt.CheckpointManager(ckpt, tmp_path / "run", step_counter="step")
+    released_by_reads.set()
+    manager.save()
+    manager.wait_until_finished()
+    released_by_reads.clear()
+    ckpt.w, ckpt.step = jnp.ones(3), 1
+    manager.save()  # in the background, held
+    restored = jaxckpt.restore(tmp_path / "run")
+    assert restored["step"] == 1
+    np.testing.assert_array_equal(restored["w"], np.ones(3))
+    manager.close()
+
+
+def test_a_failed_save_in_flight_is_named_by_the_read_and_still_raised_by_its_owner(tmp_path, monkeypatch):
+    from jaxckpt import _save
+
+    def broken(prepared):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(_save, "write_and_publish", broken)
+    ckpt = jaxckpt.Checkpoint(w=jnp.zeros(3))
+    path = ckpt.save(tmp_path / "ckpt", blocking=False)
+    with pytest.raises(
+        jaxckpt.CheckpointNotFoundError, match=r"background save to it in this process failed.*disk on fire"
+    ):
+        jaxckpt.restore(path)
+    with pytest.raises(OSError, match="disk on fire"):
+        ckpt.wait_until_finished()
