@@ -99,20 +99,24 @@ def _graph_mode(flax: types.SimpleNamespace) -> bool:
 
 
 def _remember(flax: types.SimpleNamespace, x: Any, state: Any, pure: dict[Any, Any]) -> None:
+    """Remember what Flax's traversal of ``x`` saw, or forget what was (a graph it cannot replay)."""
+    seen: _Seen | None = None
     try:
         if not _graph_mode(flax):
-            return
-        root = weakref.ref(x)
+            return  # a traversal of another kind: what graph mode saw is still what it would see
         nodes: list[tuple[Any, Any, list[Any]]] = []
         _walk(flax, x, nodes, set())
-        flat = list(flax.state.to_flat_state(state))
-        seen = _Seen(root, nodes, flat)
+        seen = _Seen(weakref.ref(x), nodes, list(flax.state.to_flat_state(state)))
         is_variable = flax.variables.Variable
         if not all(isinstance(v, is_variable) for v in seen.variables) or not _equal(_replayed(flax, seen), pure):
-            return
+            seen = None
     except Exception:  # not a graph this module knows how to replay: every call goes to Flax
-        return
+        seen = None
     with _lock:
+        if seen is None:
+            if id(x) in _seen and _seen[id(x)].root() is x:
+                del _seen[id(x)]  # it would only hold the objects of a graph that is gone
+            return
         if id(x) not in _seen:
             while len(_seen) >= _MAX_REMEMBERED:
                 del _seen[next(iter(_seen))]

@@ -152,6 +152,7 @@ def test_any_change_of_the_graph_goes_through_flax_again(net, change):
     change(net)
     _check(flax, net, remembered=False)
     _check(flax, net, remembered=change is not variable_to_plain_value)  # the new graph is remembered
+    assert (id(net) in _nnx_state._seen) is (change is not variable_to_plain_value)  # else forgotten
 
 
 def test_a_plain_list_that_grows_in_place_goes_through_flax_again(net):
