@@ -41,7 +41,7 @@ from jaxckpt._describe import (
 )
 from jaxckpt._errors import CheckpointFormatError, JaxckptError
 from jaxckpt._format import ArrayLeaf, Index, Leaf, ValueLeaf
-from jaxckpt._open import Probe, is_manager_directory, open_found, probe
+from jaxckpt._open import Probe, after_saves_to, is_manager_directory, open_found, probe
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._progress import human_bytes
 from jaxckpt._reader import Opened
@@ -472,15 +472,17 @@ def inspect(path: PathLike, *patterns: str) -> CheckpointView | ManagerView:
         view.keys()                     # ["step", "net/l1/bias", ...]
         view["net/l1/bias"]             # the value, as numpy
     """
-    found = probe(_storage.location(path))
-    if is_manager_directory(found):
-        if patterns:
-            raise ValueError(
-                f"{found.location.text!r} is a manager's directory; patterns select keys of one checkpoint. "
-                f"Pass one of its checkpoints, e.g. {_latest_listed(found)!r}."
-            )
-        return ManagerView(found.location, state=found.state)
-    return CheckpointView(found.location, patterns, found=found)
+    location = _storage.location(path)
+    with after_saves_to(location):
+        found = probe(location)
+        if is_manager_directory(found):
+            if patterns:
+                raise ValueError(
+                    f"{found.location.text!r} is a manager's directory; patterns select keys of one checkpoint. "
+                    f"Pass one of its checkpoints, e.g. {_latest_listed(found)!r}."
+                )
+            return ManagerView(found.location, state=found.state)
+        return CheckpointView(found.location, patterns, found=found)
 
 
 def _latest_listed(found: Probe) -> str | None:

@@ -5,7 +5,9 @@ manager's directory (its latest), or another library's checkpoint or manager dir
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any, NamedTuple, TypeVar
 
 from jaxckpt import _async, _formats, _statefile, _storage
@@ -77,9 +79,17 @@ def open_latest(path: PathLike | _storage.Location) -> Opened:
     background is waited for first: the path that ``save(..., blocking=False)`` returned reads as
     that save, not as missing."""
     location = _storage.location(path)
+    with after_saves_to(location):
+        return open_found(probe(location))
+
+
+@contextlib.contextmanager
+def after_saves_to(location: _storage.Location) -> Iterator[None]:
+    """Wait for this process's saves in flight into ``location`` (see :func:`open_latest`); a
+    :class:`CheckpointNotFoundError` in the block then names one of them that failed."""
     failed = _async.settle_writes(_async.destination(location))
     try:
-        return open_found(probe(location))
+        yield
     except CheckpointNotFoundError as e:
         if not failed:
             raise

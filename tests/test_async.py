@@ -308,7 +308,7 @@ def released_by_reads(held_background, monkeypatch):
     return held_background
 
 
-@pytest.mark.parametrize("read", ["restore", "list_variables", "load_variable"])
+@pytest.mark.parametrize("read", ["restore", "list_variables", "load_variable", "inspect"])
 def test_reading_a_checkpoint_this_process_is_still_writing_waits_for_it(tmp_path, released_by_reads, read):
     ckpt = jaxckpt.Checkpoint(w=jnp.arange(6.0), step=4)
     path = ckpt.save(tmp_path / "ckpt", blocking=False)
@@ -316,6 +316,8 @@ def test_reading_a_checkpoint_this_process_is_still_writing_waits_for_it(tmp_pat
         np.testing.assert_array_equal(jaxckpt.restore(path)["w"], np.arange(6.0))
     elif read == "list_variables":
         assert ("w", (6,)) in jaxckpt.list_variables(path)
+    elif read == "inspect":
+        assert "w" in jaxckpt.inspect(path).keys()
     else:
         assert jaxckpt.load_variable(path, "step") == 4
     ckpt.wait_until_finished()
