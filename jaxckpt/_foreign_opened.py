@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from jaxckpt import _formats, _storage
-from jaxckpt._format import ArrayLeaf
+from jaxckpt._format import ArrayLeaf, Leaf
 from jaxckpt._read_plan import c_order_pieces
 from jaxckpt._reader import Opened
 from jaxckpt._tree import describe
@@ -33,12 +33,8 @@ class ForeignOpened(Opened):
         path = self.checkpoint.path
         return os.path.exists(path) or os.path.exists(path + ".index")
 
-    def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
-        out = {}
-        for key in wanted:
-            if isinstance(self.index.leaves[key], ArrayLeaf):
-                out[key] = self.checkpoint.read(key)
-        return out
+    def _read(self, wanted: Mapping[str, Any], leaves: list[Leaf]) -> dict[str, Any]:
+        return {key: self.checkpoint.read(key) for key, leaf in zip(wanted, leaves) if isinstance(leaf, ArrayLeaf)}
 
     @property
     def stores_opened(self) -> list[str]:

@@ -160,11 +160,14 @@ class Opened:
 
     def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         """Values for ``{key: template}``: checked first, then read in one batch."""
-        for key, template in wanted.items():
-            check(key, self.leaf(key), template)
+        # Each leaf looked up once, then carried along in wanted's order: with a million leaves,
+        # every lookup in a table of all of them is a cache miss.
+        leaves = [self.leaf(key) for key in wanted]
+        for (key, template), leaf in zip(wanted.items(), leaves):
+            check(key, leaf, template)
         after_read = AFTER_READ.get()
         try:
-            data = self._read(wanted)
+            data = self._read(wanted, leaves)
         except BaseException as e:
             if after_read is not None:
                 after_read(e)
@@ -173,8 +176,7 @@ class Opened:
             after_read(None)
         out: dict[str, Any] = {}
         to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding | None]] = []
-        for key, template in wanted.items():
-            leaf = self.index.leaves[key]
+        for (key, template), leaf in zip(wanted.items(), leaves):
             value: Any = data.get(key)  # None for a value leaf
             if isinstance(leaf, ArrayLeaf) and not isinstance(value, jax.Array):  # host data
                 value = cast_for(key, leaf, template, value)
@@ -184,6 +186,10 @@ class Opened:
             out[key] = restored_value(leaf, template, value)
         if to_device:  # one call for all: per-call overhead dominates for thousands of small leaves
             arrays = put_all([v for _, v, _ in to_device], [s for _, _, s in to_device])
+            if not out:  # every value placed, in wanted's order
+                out = dict(zip([k for k, _, _ in to_device], arrays))
+                _memories.loaded(self, out)
+                return out
             out.update(zip([k for k, _, _ in to_device], arrays))
         _memories.loaded(self, out)
         return {key: out[key] for key in wanted}
@@ -212,13 +218,12 @@ class Opened:
                 "again for the new one."
             ) from e
 
-    def _read(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
-        """The data of the array leaves among ``wanted``: host numpy, or jax.Arrays already placed
-        as their templates want."""
+    def _read(self, wanted: Mapping[str, Any], leaves: list[Leaf]) -> dict[str, Any]:
+        """The data of the array leaves among ``wanted`` (whose leaves are ``leaves``, in order): host
+        numpy, or jax.Arrays already placed as their templates want."""
         packed: dict[int, dict[str, tuple[ArrayLeaf, InPack]]] = defaultdict(dict)
         arrays: dict[str, tuple[ArrayLeaf, InArray]] = {}
-        for key in wanted:
-            leaf = self.index.leaves[key]
+        for key, leaf in zip(wanted, leaves):
             if isinstance(leaf, ArrayLeaf):
                 at = _in_store(leaf)
                 if isinstance(at, InPack):
@@ -231,8 +236,8 @@ class Opened:
             needed = stores_in(plan for read in reads.values() for plan in read.regions.values())
             plans = {k: list(read.regions.values()) for k, read in reads.items()}
             self._check_backed([*arrays, *(k for keys in packed.values() for k in keys)], needed, plans)
-            for pack, leaves in packed.items():
-                data.update(self._read_packed(pack, leaves))
+            for pack, in_pack in packed.items():
+                data.update(self._read_packed(pack, in_pack))
             data.update(self._read_arrays({k: wanted[k] for k in arrays}, reads))
         return data
 
