@@ -11,7 +11,7 @@ import math
 import os
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -160,8 +160,7 @@ class Opened:
 
     def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         """Values for ``{key: template}``: checked first, then read in one batch."""
-        # Each leaf looked up once, then carried along in wanted's order: with a million leaves,
-        # every lookup in a table of all of them is a cache miss.
+        # Each leaf looked up once (a cache miss each at a million), then carried along in order.
         leaves = [self.leaf(key) for key in wanted]
         for (key, template), leaf in zip(wanted.items(), leaves):
             check(key, leaf, template)
@@ -219,15 +218,14 @@ class Opened:
             ) from e
 
     def _read(self, wanted: Mapping[str, Any], leaves: list[Leaf]) -> dict[str, Any]:
-        """The data of the array leaves among ``wanted`` (whose leaves are ``leaves``, in order): host
-        numpy, or jax.Arrays already placed as their templates want."""
-        packed: dict[int, dict[str, tuple[ArrayLeaf, InPack]]] = defaultdict(dict)
+        """The data of the array leaves among ``wanted`` (``leaves``, in order): host numpy, or jax.Arrays placed."""
+        packed: dict[int, list[tuple[str, ArrayLeaf, InPack]]] = defaultdict(list)
         arrays: dict[str, tuple[ArrayLeaf, InArray]] = {}
         for key, leaf in zip(wanted, leaves):
             if isinstance(leaf, ArrayLeaf):
                 at = _in_store(leaf)
                 if isinstance(at, InPack):
-                    packed[at.pack][key] = (leaf, at)
+                    packed[at.pack].append((key, leaf, at))
                 else:
                     arrays[key] = (leaf, at)
         data: dict[str, Any] = {}
@@ -235,7 +233,8 @@ class Opened:
             reads = self._plan_arrays({k: (*arrays[k], wanted[k]) for k in arrays})
             needed = stores_in(plan for read in reads.values() for plan in read.regions.values())
             plans = {k: list(read.regions.values()) for k, read in reads.items()}
-            self._check_backed([*arrays, *(k for keys in packed.values() for k in keys)], needed, plans)
+            backed = [(k, leaf) for k, (leaf, _) in arrays.items()] + [e[:2] for p in packed.values() for e in p]
+            self._check_backed(backed, needed, plans)
             for pack, in_pack in packed.items():
                 data.update(self._read_packed(pack, in_pack))
             data.update(self._read_arrays({k: wanted[k] for k in arrays}, reads))
@@ -247,7 +246,7 @@ class Opened:
         return sorted(set(self._readers) | set(self._stored_bytes))
 
     def _check_backed(
-        self, keys: list[str], stores: set[str], plans: Mapping[str, list[RegionPlan]] | None = None
+        self, leaves: Sequence[tuple[str, Leaf]], stores: set[str], plans: Mapping[str, list[RegionPlan]] | None = None
     ) -> None:
         """Before any buffer is allocated: the data stores ``stores`` (the read's) hold the bytes the index claims.
 
@@ -258,7 +257,7 @@ class Opened:
         a read takes of each array), an array claims the parts read (a two-tier manager's local copy holds
         only its regions); from version 4, also the index and checksums of each shard file it touches.
         """
-        if self.index.version < 2 or self.location.local is None or not keys:
+        if self.index.version < 2 or self.location.local is None or not leaves:
             return
         # A crafted shard shape of all 1s claims no more values, but a million files.
         sharded = self.index.version >= 4
@@ -269,8 +268,7 @@ class Opened:
         largest: dict[str, tuple[int, str]] = {}
         packs: set[int] = set()
         packed, top, top_key = 0, -1, ""  # bytes of packed leaves counted in short, the largest and its key
-        for key in keys:
-            leaf = self.index.leaves[key]
+        for key, leaf in leaves:
             assert isinstance(leaf, ArrayLeaf)
             at = _in_store(leaf)
             extra: dict[str, int] = {}
@@ -331,9 +329,10 @@ class Opened:
                     + _local_tree.short_because(self.location / store, claimed)
                 )
 
-    def _read_packed(self, pack: int, leaves: Mapping[str, tuple[ArrayLeaf, InPack]]) -> dict[str, np.ndarray]:
-        ordered = sorted(leaves, key=lambda k: leaves[k][1].offset)
-        spans = pack_spans((leaves[k][1].offset, leaves[k][1].nbytes) for k in ordered)
+    def _read_packed(self, pack: int, leaves: list[tuple[str, ArrayLeaf, InPack]]) -> dict[str, np.ndarray]:
+        by_offset = sorted(leaves, key=lambda entry: entry[2].offset)
+        ordered = [k for k, _, _ in by_offset]
+        spans = pack_spans((at.offset, at.nbytes) for _, _, at in by_offset)
         info = self.index.packs[pack]
         try:
             reader = self._reader_of(DATA_DIR)
@@ -348,8 +347,7 @@ class Opened:
             ) from e
         checksum = crc32c.crc32c if self.index.version >= 4 else zlib.crc32
         out = {}
-        for k in ordered:
-            leaf, at = leaves[k]
+        for k, leaf, at in by_offset:
             start, buffer = next((s, b) for s, b in reversed(buffers) if s <= at.offset)
             raw = buffer[at.offset - start : at.offset - start + at.nbytes]
             if checksum(raw) != at.checksum:
@@ -456,7 +454,9 @@ class Opened:
             plans[key] = (leaf, at, [plan_region(at, leaf.shape, index) for index in regions])
         out = {}
         with self._unless_gone():
-            self._check_backed(list(wanted), stores_in(p for _, _, ps in plans.values() for p in ps))
+            self._check_backed(
+                [(k, self.leaf(k)) for k in wanted], stores_in(p for _, _, ps in plans.values() for p in ps)
+            )
             for key, (leaf, at, regions_plans) in plans.items():
                 stores = self._open_for(key, leaf, at, stores_in(regions_plans))
                 pending = [self._start_read(key, at, stores, plan) for plan in regions_plans]
@@ -477,7 +477,7 @@ class Opened:
             yield np.asarray(jax.random.key_data(value) if leaf.prng_impl else value)
             return
         with self._unless_gone():
-            self._check_backed([key], set(_format.stores_of(at)))
+            self._check_backed([(key, leaf)], set(_format.stores_of(at)))
             stores = self._open_for(key, leaf, at, _format.stores_of(at))
             for index in c_order_pieces(leaf.shape, leaf.dtype.itemsize, budget):
                 plan = plan_region(at, leaf.shape, index)
