@@ -1,6 +1,6 @@
 """Benchmarks: jaxckpt, Orbax and the machine's floor, side by side, in one run, on the same data and disk.
 
-    python benchmarks/run.py                              # all workloads, 3 repetitions (make bench)
+    python benchmarks/run.py                              # all workloads and the scaling runs, 3 repetitions (make bench)
     python benchmarks/run.py --quick                      # small sizes, 1 repetition: a smoke test (~1 min)
     python benchmarks/run.py --workloads large,many --reps 5 --libs floor,jaxckpt
 
@@ -223,6 +223,11 @@ def main() -> int:
         default=None,
         help="measure jaxckpt as committed at git revision REV (e.g. HEAD), not the work tree",
     )
+    parser.add_argument(
+        "--no-scaling",
+        action="store_true",
+        help="skip the time-per-leaf runs (" + ", ".join(wl.SCALING) + ": jaxckpt only, about 10 minutes)",
+    )
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed to one operation")
     args = parser.parse_args()
 
@@ -244,7 +249,15 @@ def main() -> int:
         os.environ["BENCH_JAXCKPT_SRC"] = os.path.abspath(args.jaxckpt_src)
     info = machine_info(work)
     machine = args.machine or f"cpu{info['nproc']}-{round(info['mem_gib'])}gib"
-    full = not args.quick and reps >= 3 and set(names) == set(wl.WORKLOADS) and libs >= {"floor", "jaxckpt", "orbax"}
+    # The scaling runs come with the default workloads (not with a chosen subset), when jaxckpt is measured.
+    scaling = [] if args.no_scaling or set(names) != set(wl.WORKLOADS) or "jaxckpt" not in libs else list(wl.SCALING)
+    full = (
+        not args.quick
+        and reps >= 3
+        and set(names) == set(wl.WORKLOADS)
+        and libs >= {"floor", "jaxckpt", "orbax"}
+        and bool(scaling)
+    )
     out_dir = HERE if full else work
     results: dict[str, Any] = {
         "machine_name": machine,
@@ -260,19 +273,24 @@ def main() -> int:
         "workloads": {},
         "runs": {},
     }
-    print(f"jaxckpt benchmarks on {machine}: {', '.join(names)}; {reps} repetition(s); work folder {work}", flush=True)
-    for name in names:
+    print(
+        f"jaxckpt benchmarks on {machine}: {', '.join(names + scaling)}; {reps} repetition(s); work folder {work}",
+        flush=True,
+    )
+    for name in names + scaling:
         workdir = os.path.join(work, name + ("-quick" if args.quick else ""))
         spec = prepare(workdir, name, args.quick)
         results["workloads"][name] = {
             "nbytes": spec["nbytes"],
             "leaves": len(spec["leaves"]),
             "devices": spec["devices"],
+            **({"scaling": True} if name in scaling else {}),
         }
-        runs: dict[str, list[dict[str, Any]]] = {op: [] for op in ops}
+        wanted = [op for op in ops if op in wl.SCALING[name]] if name in scaling else ops
+        runs: dict[str, list[dict[str, Any]]] = {op: [] for op in wanted}
         results["runs"][name] = runs
         for rep in range(reps):
-            for op in ops:
+            for op in wanted:
                 if rep > 0 and runs[op] and runs[op][0]["status"] == "n/a":
                     continue
                 r = run_op(workdir, op, spec["devices"], touch_extra, args.timeout)

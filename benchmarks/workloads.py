@@ -25,6 +25,14 @@ WORKLOADS = ("large", "many", "sharded", "train_state")
 # 10,000 / 300,000 / 1,000,000 leaves of 16 float32 each (issue 28: time per leaf as leaves grow).
 TINY = {"tiny10k": 10_000, "tiny300k": 300_000, "tiny1m": 1_000_000}
 EXTRA_WORKLOADS = ("huge", *TINY)
+# A full run also measures time per leaf as leaves grow (issue 28's scaling goals), with jaxckpt only
+# and only the operations those goals compare: a million-leaf save and restore against 10,000 leaves',
+# and a 300,000-leaf restore against the naive floor (floor_write makes the file that floor reads).
+SCALING = {
+    "tiny10k": ("jaxckpt_save", "jaxckpt_restore"),
+    "tiny300k": ("floor_write", "floor_read_put_each", "jaxckpt_save", "jaxckpt_restore"),
+    "tiny1m": ("jaxckpt_save", "jaxckpt_restore"),
+}
 
 SAVE_MESH = (4, 2)
 RESTORE_MESH = (2, 4)
