@@ -23,27 +23,30 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxckpt._storage import Location
 
 _lock = threading.Lock()
 # One worker thread per pool: "save" writes checkpoints; "copy" copies finished ones to a durable
 # tier (jaxckpt._tiers), so that a slow copy to a bucket never holds up the next save's write.
 _executors: dict[str, ThreadPoolExecutor] = {}
 _uncollected: set[Future[Any]] = set()  # failed or pending futures whose owner has not looked yet
-_writing: dict[Future[Any], str] = {}  # saves not done yet -> the checkpoint each writes (see destination)
+_writing: dict[Future[Any], str] = {}  # saves not done yet -> the checkpoint each writes (see _place)
 
 
-def destination(location: Any) -> str:
-    """What :func:`settle_writes` matches a save's checkpoint by: a ``jaxckpt._storage.Location``'s
-    absolute local path, or its URL."""
-    local = getattr(location, "local", None)
-    return os.path.normpath(os.fspath(local)) if local is not None else str(location.text).rstrip("/")
+def _place(location: Location) -> str:
+    """What :func:`settle_writes` matches a save's checkpoint by: its absolute local path, or its URL."""
+    local = location.local
+    return os.path.normpath(os.fspath(local)) if local is not None else location.text.rstrip("/")
 
 
-def settle_writes(place: str) -> list[BaseException]:
-    """Wait until no save of this process writes the checkpoint at ``place`` or one inside it (a
+def settle_writes(location: Location) -> list[BaseException]:
+    """Wait until no save of this process writes the checkpoint at ``location`` or one inside it (a
     manager's directory), without collecting their outcomes (their owners raise them); returns the
     errors of those that failed."""
+    place = _place(location)
     with _lock:
         futures = [f for f, dest in _writing.items() if dest == place or dest.startswith(place.rstrip("/") + "/")]
     concurrent.futures.wait(futures)
@@ -75,15 +78,16 @@ class Background:
         """The last save is done and failed, and its error has not been raised to anyone yet."""
         return self._future is not None and self._future.done() and self._future.exception() is not None
 
-    def submit(self, fn: Callable[[], Any], writes: str | None = None) -> None:
+    def submit(self, fn: Callable[[], Any], writes: Location | None = None) -> None:
         """Run ``fn`` in the background, after the previous save of this owner (raising its error).
-        ``writes``: the :func:`destination` of the checkpoint it writes, which reads wait for."""
+        ``writes``: the checkpoint it writes, which reads wait for (:func:`settle_writes`)."""
         self.wait()
+        place = None if writes is None else _place(writes)
         future = _worker(self._pool).submit(fn)
         with _lock:
             _uncollected.add(future)
-            if writes is not None:
-                _writing[future] = writes
+            if place is not None:
+                _writing[future] = place
         if writes is not None:
             future.add_done_callback(_written)  # at once if it is done already: never left in _writing
         self._future = future

@@ -118,7 +118,7 @@ def _write(
     if recorder is None:
         if blocking:
             return _save.write_and_publish(prepared)
-        background.submit(lambda: _save.write_and_publish(prepared), _async.destination(prepared.dest))
+        background.submit(lambda: _save.write_and_publish(prepared), prepared.dest)
         return os.fspath(path)
     prepared.unlisted = recorder.primary
 
@@ -132,7 +132,7 @@ def _write(
 
     if blocking:
         return publish_and_record()
-    background.submit(publish_and_record, _async.destination(prepared.dest))
+    background.submit(publish_and_record, prepared.dest)
     return os.fspath(path)
 
 

@@ -44,7 +44,7 @@ from jaxckpt import (
     _startup,
     _storage,
 )
-from jaxckpt._async import Background, destination
+from jaxckpt._async import Background
 from jaxckpt._checkpoint import Checkpoint
 from jaxckpt._errors import CheckpointExistsError, CheckpointNotFoundError
 from jaxckpt._lock import LOCK_FILE
@@ -224,7 +224,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
             self._discard(prepared.token)
             raise
         if self._options.async_save:
-            self._background.submit(lambda: self._finish(prepared, info), destination(prepared.dest))
+            self._background.submit(lambda: self._finish(prepared, info), prepared.dest)
         else:
             self._finish(prepared, info)
         return info.path

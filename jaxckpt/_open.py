@@ -87,7 +87,7 @@ def open_latest(path: PathLike | _storage.Location) -> Opened:
 def after_saves_to(location: _storage.Location) -> Iterator[None]:
     """Wait for this process's saves in flight into ``location`` (see :func:`open_latest`); a
     :class:`CheckpointNotFoundError` in the block then names one of them that failed."""
-    failed = _async.settle_writes(_async.destination(location))
+    failed = _async.settle_writes(location)
     try:
         yield
     except CheckpointNotFoundError as e:
