@@ -44,7 +44,7 @@ from jaxckpt._read_plan import (
     region_key,
     stores_in,
 )
-from jaxckpt._templates import NO_TEMPLATE, cast_for, check, put_all, restored_value, target_sharding
+from jaxckpt._templates import NO_TEMPLATE, cast_for, check_all, put_all, restored_value, target_sharding
 from jaxckpt._tree import PathLike, describe
 
 # Called once the host data of a load is read (with its error, or None), before arrays are placed on
@@ -160,10 +160,8 @@ class Opened:
 
     def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
         """Values for ``{key: template}``: checked first, then read in one batch."""
-        # Each leaf looked up once (a cache miss each at a million), then carried along in order.
-        leaves = [self.leaf(key) for key in wanted]
-        for (key, template), leaf in zip(wanted.items(), leaves):
-            check(key, leaf, template)
+        leaves = [self.leaf(key) for key in wanted]  # each looked up once (a cache miss at 1M), then carried along
+        targets = check_all(wanted, leaves)  # where each plain leaf goes (see check_all), else None
         after_read = AFTER_READ.get()
         try:
             data = self._read(wanted, leaves)
@@ -175,8 +173,11 @@ class Opened:
             after_read(None)
         out: dict[str, Any] = {}
         to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding | None]] = []
-        for (key, template), leaf in zip(wanted.items(), leaves):
+        for (key, template), leaf, target in zip(wanted.items(), leaves, targets):
             value: Any = data.get(key)  # None for a value leaf
+            if target is not None and type(value) is np.ndarray:  # read as stored: its dtype is the template's
+                to_device.append((key, value, target))
+                continue
             if isinstance(leaf, ArrayLeaf) and not isinstance(value, jax.Array):  # host data
                 value = cast_for(key, leaf, template, value)
                 if not leaf.prng_impl and isinstance(template, (jax.Array, jax.ShapeDtypeStruct)):
@@ -200,8 +201,7 @@ class Opened:
 
     @contextlib.contextmanager
     def _unless_gone(self) -> Iterator[None]:
-        """Damage reported inside, as CheckpointNotFoundError if the checkpoint is not damaged but gone:
-        deleted (a manager's retention?), or replaced by another save while it was read."""
+        """Damage reported inside, as CheckpointNotFoundError if the checkpoint is gone: deleted, or replaced."""
         try:
             yield
         except CheckpointCorruptedError as e:

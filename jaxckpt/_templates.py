@@ -10,6 +10,7 @@ restore into a template; :func:`cast_for` and :func:`restored_value` make the va
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -122,6 +123,41 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
         raise _mismatch(
             key, leaf, template, " jaxckpt casts float to float and int to int on restore, never across kinds."
         )
+
+
+def check_all(wanted: Mapping[str, Any], leaves: Sequence[Leaf]) -> list[jax.sharding.Sharding | None]:
+    """:func:`check` of each ``{key: template}`` against its leaf (``leaves``, in the same order).
+    Returns, for each, where it goes when it is plain (an array template of the leaf's own shape and
+    dtype, not a PRNG key: read as stored, then placed on :func:`target_sharding`), else None.
+
+    A plain leaf passes every check of :func:`check`, so it is known by a few comparisons: a million
+    leaves restored through ``check``, ``cast_for`` and ``target_sharding`` spent about 2 us each there."""
+    out: list[jax.sharding.Sharding | None] = []
+    placed: dict[int, jax.sharding.Sharding] = {}  # id(template's sharding) -> where its arrays go
+    held = []  # the shardings looked up by id, alive until the call returns
+    for (key, template), leaf in zip(wanted.items(), leaves):
+        if (
+            isinstance(template, _PLACED)
+            and type(leaf) is ArrayLeaf
+            and not leaf.prng_impl
+            and template.dtype == leaf.dtype
+            and template.shape == leaf.shape
+        ):
+            sharding = template.sharding
+            target = placed.get(id(sharding))
+            if target is None:
+                target = target_sharding(template, key)
+                assert target is not None
+                placed[id(sharding)] = target
+                held.append(sharding)
+            out.append(target)
+            continue
+        check(key, leaf, template)
+        out.append(None)
+    return out
+
+
+_PLACED = (jax.ShapeDtypeStruct, jax.Array)
 
 
 @functools.cache

@@ -1,0 +1,94 @@
+"""Restores take plain leaves (an array template of the stored shape and dtype) by a short path
+(``jaxckpt._templates.check_all``): the same checks, values, dtypes and shardings as the full one,
+which every other leaf still takes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt._format import ArrayLeaf, InPack
+from jaxckpt._templates import check_all, target_sharding
+
+
+def _tree():
+    return {
+        "plain": {f"w{i}": jnp.arange(16, dtype=jnp.float32) + i for i in range(20)},
+        "ints": jnp.arange(6, dtype=jnp.int32).reshape(2, 3),
+        "to_half": jnp.linspace(0, 1, 8, dtype=jnp.float32),
+        "key": jax.random.key(3),
+        "step": 7,
+        "none": None,
+    }
+
+
+def _like(tree, device):
+    one = jax.sharding.SingleDeviceSharding(device)
+    arrays = {"plain": tree["plain"], "ints": tree["ints"]}
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
+    like["plain"]["w0"] = jax.ShapeDtypeStruct((16,), jnp.float32, sharding=one)
+    like["plain"]["w1"] = jnp.zeros(16, jnp.float32, device=device)  # an array template: its sharding
+    like["to_half"] = jax.ShapeDtypeStruct((8,), jnp.float16)  # cast on restore: not plain
+    like["key"] = jax.eval_shape(lambda: jax.random.key(0))
+    like["step"], like["none"] = 0, None
+    return like
+
+
+def test_mixed_tree_restores_as_before(tmp_path):
+    tree = _tree()
+    jaxckpt.save(tmp_path / "c", tree)
+    device = jax.devices()[-1]
+    out = jaxckpt.restore(tmp_path / "c", like=_like(tree, device))
+
+    for i in range(20):
+        got = out["plain"][f"w{i}"]
+        assert isinstance(got, jax.Array) and got.dtype == jnp.float32
+        np.testing.assert_array_equal(got, np.arange(16, dtype=np.float32) + i)
+    # A template without a sharding: the default device; with one, that one.
+    assert out["plain"]["w2"].sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    assert out["plain"]["w0"].sharding == jax.sharding.SingleDeviceSharding(device)
+    assert out["plain"]["w1"].sharding == jax.sharding.SingleDeviceSharding(device)
+    np.testing.assert_array_equal(out["ints"], np.arange(6).reshape(2, 3))
+    assert out["to_half"].dtype == jnp.float16
+    np.testing.assert_allclose(out["to_half"], np.linspace(0, 1, 8), atol=1e-3)
+    assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(tree["key"]))
+    assert out["step"] == 7 and out["none"] is None
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        (jax.ShapeDtypeStruct((17,), jnp.float32), "shape"),
+        (jax.ShapeDtypeStruct((16,), jnp.int32), "never across kinds"),
+        (jax.eval_shape(lambda: jax.random.key(0)), "key"),
+    ],
+)
+def test_a_mismatch_among_plain_leaves_names_its_key(tmp_path, template, message):
+    tree = _tree()
+    jaxckpt.save(tmp_path / "c", tree)
+    like = _like(tree, jax.devices()[0])
+    like["plain"]["w13"] = template
+    with pytest.raises(jaxckpt.MismatchError, match=r"plain/w13") as e:
+        jaxckpt.restore(tmp_path / "c", like=like)
+    assert message in str(e.value)
+
+
+def test_check_all_marks_plain_leaves_only():
+    f32 = ArrayLeaf(np.dtype(np.float32), (4,), "jax", InPack(0, 0, 16, 0), None, None)
+    key_leaf = ArrayLeaf(np.dtype(np.uint32), (2,), "jax", InPack(0, 64, 8, 0), "threefry2x32", None)
+    sds = jax.ShapeDtypeStruct((4,), jnp.float32)
+    wanted = {
+        "a": sds,
+        "b": jnp.zeros(4, jnp.float32),
+        "c": jax.ShapeDtypeStruct((4,), jnp.float16),  # a cast
+        "d": np.zeros(4, np.float32),  # a numpy template stays numpy: not placed here
+        "e": jax.eval_shape(lambda: jax.random.key(0)),
+    }
+    targets = check_all(wanted, [f32, f32, f32, f32, key_leaf])
+    assert targets[0] is target_sharding(sds)  # one default sharding object for every such leaf
+    assert targets[1] == wanted["b"].sharding
+    assert targets[2:] == [None, None, None]
