@@ -33,8 +33,8 @@ class ForeignOpened(Opened):
         path = self.checkpoint.path
         return os.path.exists(path) or os.path.exists(path + ".index")
 
-    def _read(self, wanted: Mapping[str, Any], leaves: list[Leaf]) -> dict[str, Any]:
-        return {key: self.checkpoint.read(key) for key, leaf in zip(wanted, leaves) if isinstance(leaf, ArrayLeaf)}
+    def _read(self, wanted: Mapping[str, Any], leaves: list[Leaf]) -> list[Any]:
+        return [self.checkpoint.read(key) if isinstance(leaf, ArrayLeaf) else None for key, leaf in zip(wanted, leaves)]
 
     @property
     def stores_opened(self) -> list[str]:

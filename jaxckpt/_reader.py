@@ -158,9 +158,9 @@ class Opened:
             hint = f" It is a node; its leaves include {', '.join(map(repr, self.index.keys_under(key)[:3]))}."
         return f"The {what} {str(self.path)!r} has no value {describe(key)}.{hint}"
 
-    def load(self, wanted: Mapping[str, Any]) -> dict[str, Any]:
-        """Values for ``{key: template}``: checked first, then read in one batch."""
-        leaves = [self.leaf(key) for key in wanted]  # each looked up once (a cache miss at 1M), then carried along
+    def load(self, wanted: Mapping[str, Any], leaves: list[Leaf] | None = None) -> dict[str, Any]:
+        """Values for ``{key: template}`` (``leaves``: theirs, if looked up): checked, then read in one batch."""
+        leaves = [self.leaf(key) for key in wanted] if leaves is None else leaves
         targets = check_all(wanted, leaves)  # where each plain leaf goes (see check_all), else None
         after_read = AFTER_READ.get()
         try:
@@ -173,9 +173,8 @@ class Opened:
             after_read(None)
         out: dict[str, Any] = {}
         to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding | None]] = []
-        for (key, template), leaf, target in zip(wanted.items(), leaves, targets):
-            value: Any = data.get(key)  # None for a value leaf
-            if target is not None and type(value) is np.ndarray:  # read as stored: its dtype is the template's
+        for (key, template), leaf, target, value in zip(wanted.items(), leaves, targets, data):
+            if target is not None and type(value) is np.ndarray and value.dtype == template.dtype:  # as stored
                 to_device.append((key, value, target))
                 continue
             if isinstance(leaf, ArrayLeaf) and not isinstance(value, jax.Array):  # host data
@@ -217,28 +216,29 @@ class Opened:
                 "again for the new one."
             ) from e
 
-    def _read(self, wanted: Mapping[str, Any], leaves: list[Leaf]) -> dict[str, Any]:
-        """The data of the array leaves among ``wanted`` (``leaves``, in order): host numpy, or jax.Arrays placed."""
-        packed: dict[int, list[tuple[str, ArrayLeaf, InPack]]] = defaultdict(list)
-        arrays: dict[str, tuple[ArrayLeaf, InArray]] = {}
-        for key, leaf in zip(wanted, leaves):
+    def _read(self, wanted: Mapping[str, Any], leaves: list[Leaf]) -> list[Any]:
+        """The data (host, or jax.Arrays placed) of the array leaves among ``wanted``, in order; None for others."""
+        packed: dict[int, list[tuple[int, str, ArrayLeaf, InPack]]] = defaultdict(list)
+        arrays: dict[str, tuple[int, ArrayLeaf, InArray]] = {}
+        for i, (key, leaf) in enumerate(zip(wanted, leaves)):
             if isinstance(leaf, ArrayLeaf):
                 at = _in_store(leaf)
                 if isinstance(at, InPack):
-                    packed[at.pack].append((key, leaf, at))
+                    packed[at.pack].append((i, key, leaf, at))
                 else:
-                    arrays[key] = (leaf, at)
-        data: dict[str, Any] = {}
+                    arrays[key] = (i, leaf, at)
+        values: list[Any] = [None] * len(leaves)
         with self._unless_gone():
-            reads = self._plan_arrays({k: (*arrays[k], wanted[k]) for k in arrays})
+            reads = self._plan_arrays({k: (leaf, at, wanted[k]) for k, (_, leaf, at) in arrays.items()})
             needed = stores_in(plan for read in reads.values() for plan in read.regions.values())
             plans = {k: list(read.regions.values()) for k, read in reads.items()}
-            backed = [(k, leaf) for k, (leaf, _) in arrays.items()] + [e[:2] for p in packed.values() for e in p]
+            backed = [(k, leaf) for k, (_, leaf, _) in arrays.items()] + [e[1:3] for p in packed.values() for e in p]
             self._check_backed(backed, needed, plans)
             for pack, in_pack in packed.items():
-                data.update(self._read_packed(pack, in_pack))
-            data.update(self._read_arrays({k: wanted[k] for k in arrays}, reads))
-        return data
+                self._read_packed(pack, in_pack, values)
+            for k, value in self._read_arrays({k: wanted[k] for k in arrays}, reads).items():
+                values[arrays[k][0]] = value
+        return values
 
     @property
     def stores_opened(self) -> list[str]:
@@ -329,34 +329,34 @@ class Opened:
                     + _local_tree.short_because(self.location / store, claimed)
                 )
 
-    def _read_packed(self, pack: int, leaves: list[tuple[str, ArrayLeaf, InPack]]) -> dict[str, np.ndarray]:
-        by_offset = sorted(leaves, key=lambda entry: entry[2].offset)
-        ordered = [k for k, _, _ in by_offset]
-        spans = pack_spans((at.offset, at.nbytes) for _, _, at in by_offset)
+    def _read_packed(self, pack: int, leaves: list[tuple[int, str, ArrayLeaf, InPack]], values: list[Any]) -> None:
+        """Read the leaves packed in ``pack``, each ``(place, key, leaf, at)``, into ``values[place]``."""
+        by_offset = sorted(leaves, key=lambda entry: entry[3].offset)
+        spans = pack_spans((at.offset, at.nbytes) for _, _, _, at in by_offset)
         info = self.index.packs[pack]
         try:
             reader = self._reader_of(DATA_DIR)
             pending = reader.read_pack_spans(info.path, info.nbytes, info.chunk, spans)
             buffers = [(start, p.result()) for (start, _), p in zip(spans, pending)]
         except CheckpointCorruptedError as e:  # name the values packed there, not the pack alone
-            names = ", ".join(map(describe, ordered[:5])) + (
-                f" and {len(ordered) - 5} more" if len(ordered) > 5 else ""
-            )
+            names = ", ".join(describe(k) for _, k, _, _ in by_offset[:5])
+            more = f" and {len(by_offset) - 5} more" if len(by_offset) > 5 else ""
             raise CheckpointCorruptedError(
-                f"Cannot read the data of {names} (packed in {info.path!r} in the checkpoint): {e}"
+                f"Cannot read the data of {names}{more} (packed in {info.path!r} in the checkpoint): {e}"
             ) from e
         checksum = crc32c.crc32c if self.index.version >= 4 else zlib.crc32
-        out = {}
-        for k, leaf, at in by_offset:
-            start, buffer = next((s, b) for s, b in reversed(buffers) if s <= at.offset)
+        span, (start, buffer) = 0, buffers[0]
+        for i, k, leaf, at in by_offset:  # in offset order, as the spans: each leaf lies in the last begun
+            while span + 1 < len(buffers) and buffers[span + 1][0] <= at.offset:
+                span += 1
+                start, buffer = buffers[span]
             raw = buffer[at.offset - start : at.offset - start + at.nbytes]
             if checksum(raw) != at.checksum:
                 raise CheckpointCorruptedError(
                     f"The data of {describe(k)} fails its checksum (pack {info.path!r}, bytes {at.offset}.."
                     f"{at.offset + at.nbytes}); the checkpoint is damaged."
                 )
-            out[k] = raw.view(leaf.dtype).reshape(leaf.shape)
-        return out
+            values[i] = raw.view(leaf.dtype).reshape(leaf.shape)
 
     def _store_folder(self, store: str) -> _storage.Location:
         """The folder of data store ``store`` as measured: in the pinned folder, through /proc/self/fd where

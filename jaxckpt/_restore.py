@@ -281,10 +281,13 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
     # One pass over the keys: each lookup in a table of a million leaves is a cache miss.
     saved = index.leaves
     wanted: dict[str, Any] = {}
+    leaves: list[Leaf] = []  # wanted's, handed to load
     missing: list[str] = []
     for k, t in templates.items():
-        if k in saved:
+        leaf = saved.get(k)
+        if leaf is not None:
             wanted[k] = t
+            leaves.append(leaf)
         else:
             missing.append(k)
     placeholders = [k for k in missing if isinstance(templates[k], jax.ShapeDtypeStruct)]
@@ -302,7 +305,7 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
                 parts.append(f"  In the checkpoint but not in `like` ({len(unused)}):\n{summarize(unused)}")
             parts.append("Pass partial=True to restore only the keys in common.")
             raise MismatchError("\n".join(parts))
-    return rebuild(like, opened.load(wanted))
+    return rebuild(like, opened.load(wanted, leaves))
 
 
 def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:

@@ -92,3 +92,44 @@ def test_check_all_marks_plain_leaves_only():
     assert targets[0] is target_sharding(sds)  # one default sharding object for every such leaf
     assert targets[1] == wanted["b"].sharding
     assert targets[2:] == [None, None, None]
+
+
+def _packed_tree():
+    return {f"w{i:02d}": np.arange(100 * i, 100 * i + 50, dtype=np.float32) for i in range(30)}
+
+
+@pytest.fixture
+def one_span_per_leaf(monkeypatch):
+    """Packs read in spans: with no gap allowed, every leaf of a pack is its own span."""
+    import jaxckpt._read_plan
+
+    monkeypatch.setattr(jaxckpt._read_plan, "SPAN_GAP", 0)
+
+
+def test_packed_leaves_read_from_many_spans(tmp_path, one_span_per_leaf):
+    tree = _packed_tree()
+    jaxckpt.save(tmp_path / "c", tree)
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}
+    out = jaxckpt.restore(tmp_path / "c", like=like)
+    for k, v in tree.items():
+        np.testing.assert_array_equal(out[k], v)
+    some = {k: like[k] for k in ("w03", "w17", "w29")}
+    out = jaxckpt.restore(tmp_path / "c", like=some, partial=True)
+    assert sorted(out) == sorted(some)
+    for k in some:
+        np.testing.assert_array_equal(out[k], tree[k])
+
+
+def test_damage_in_a_later_span_names_its_leaf(tmp_path, one_span_per_leaf):
+    tree = _packed_tree()
+    jaxckpt.save(tmp_path / "c", tree)
+    packs = [p for p in (tmp_path / "c").rglob("*") if p.is_file() and tree["w21"].tobytes() in p.read_bytes()]
+    assert len(packs) == 1
+    data = bytearray(packs[0].read_bytes())
+    data[data.index(tree["w21"].tobytes()) + 7] ^= 0xFF
+    packs[0].write_bytes(bytes(data))
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match="w21"):
+        jaxckpt.restore(tmp_path / "c", like=like)
+    out = jaxckpt.restore(tmp_path / "c", like={"w20": like["w20"], "w22": like["w22"]}, partial=True)
+    np.testing.assert_array_equal(out["w22"], tree["w22"])
