@@ -326,8 +326,8 @@ def summary_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# Issue 28's goals across sizes: (workload, what, (workload, op) / (workload, op) per leaf, or op / op
-# of one workload when both sides name it, "<=" or "<", the bound).
+# Issue 28's goals across sizes: (the row's workload, what, (workload, op) over (workload, op) as median
+# seconds per leaf, "<=" or "<", the bound).
 SCALING_TARGETS = [
     ("tiny1m", "save time per leaf / `tiny10k`'s", ("tiny1m", "jaxckpt_save"), ("tiny10k", "jaxckpt_save"), "<=", 1.5),
     (

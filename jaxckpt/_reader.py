@@ -185,13 +185,10 @@ class Opened:
             out[key] = restored_value(leaf, template, value)
         if to_device:  # one call for all: per-call overhead dominates for thousands of small leaves
             arrays = put_all([v for _, v, _ in to_device], [s for _, _, s in to_device])
-            if not out:  # every value placed, in wanted's order
-                out = dict(zip([k for k, _, _ in to_device], arrays))
-                _memories.loaded(self, out)
-                return out
             out.update(zip([k for k, _, _ in to_device], arrays))
         _memories.loaded(self, out)
-        return {key: out[key] for key in wanted}
+        # Where every value was placed, ``out`` is already in wanted's order.
+        return out if len(to_device) == len(wanted) else {key: out[key] for key in wanted}
 
     def exists(self) -> bool:
         """Whether the checkpoint is still there (a failed read may mean it was deleted meanwhile), and
@@ -454,9 +451,8 @@ class Opened:
             plans[key] = (leaf, at, [plan_region(at, leaf.shape, index) for index in regions])
         out = {}
         with self._unless_gone():
-            self._check_backed(
-                [(k, self.leaf(k)) for k in wanted], stores_in(p for _, _, ps in plans.values() for p in ps)
-            )
+            backed = [(k, leaf) for k, (leaf, _, _) in plans.items()]
+            self._check_backed(backed, stores_in(p for _, _, ps in plans.values() for p in ps))
             for key, (leaf, at, regions_plans) in plans.items():
                 stores = self._open_for(key, leaf, at, stores_in(regions_plans))
                 pending = [self._start_read(key, at, stores, plan) for plan in regions_plans]
