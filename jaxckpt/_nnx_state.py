@@ -88,6 +88,12 @@ def pure_state(nnx: Any, x: Any) -> dict[Any, Any]:
     return pure
 
 
+def remembered(x: Any) -> bool:
+    """Whether what a call for ``x`` saw is remembered: the next is replayed if its graph is unchanged."""
+    seen = _seen.get(id(x))
+    return seen is not None and seen.root() is x
+
+
 def forget() -> None:
     with _lock:
         _seen.clear()

@@ -10,22 +10,28 @@ signatures equal those of the last tree flattened in full, its keys and nodes ar
 6.9 for 10,000 leaves with warm caches; 7 against 11 with cold ones).
 
 The walk knows dict, list, tuple, namedtuples, jaxckpt's ``Checkpoint``, ``nnx.State`` and
-``nnx.Variable`` (transparent) itself, and any other node registered with JAX (a flax.struct
-``TrainState``, a ``FrozenDict``...) by one level of ``jax.tree_util.tree_flatten``, whose treedef
-(class and aux data: a TrainState's ``apply_fn`` and ``tx``, a FrozenDict's keys) is its signature;
-such a structure is remembered only if those nodes' keys are names (str), which equal treedefs give
-equal. Anything else (an nnx Module, an object with ``get_state``), a reference cycle or a
-Checkpoint met twice, and the save flattens in full, as before, with the same errors. The last
-structure is remembered only if the full flatten saw the very leaves the walk saw, in the same order.
+``nnx.Variable`` (transparent) itself; an NNX module or optimizer by its class and its pure dict
+(``nnx.to_pure_dict(nnx.state(obj))``, the very dict the full flatten saves), once
+:mod:`jaxckpt._nnx_state` remembers what Flax's traversal of it saw, so that the dict is replayed
+while its graph is unchanged (before that, the walk leaves the traversal to the full flatten); and
+any other node registered with JAX (a flax.struct ``TrainState``, a ``FrozenDict``...) by one level
+of ``jax.tree_util.tree_flatten``, whose treedef (class and aux data: a TrainState's ``apply_fn``
+and ``tx``, a FrozenDict's keys) is its signature; such a structure is remembered only if those
+nodes' keys are names (str), which equal treedefs give equal. Anything else (an object with
+``get_state``), a reference cycle or a Checkpoint met twice, and the save flattens in full, as
+before, with the same errors. The last structure is remembered only if the full flatten saw the very
+leaves the walk saw, in the same order.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from jaxckpt._nnx_state import pure_state, remembered
 from jaxckpt._tree import (
     NODE,
     PLAIN_LEAVES,
@@ -39,7 +45,7 @@ from jaxckpt._tree import (
 )
 
 # How the walk treats an object, by its type (learned once per type).
-_ARRAY, _OTHER, _DICT, _LIST, _TUPLE, _CLASS, _CHECKPOINT, _STATE, _VARIABLE, _NODE, _UNKNOWN = range(11)
+_ARRAY, _OTHER, _DICT, _LIST, _TUPLE, _CLASS, _CHECKPOINT, _STATE, _VARIABLE, _NNX, _NODE, _UNKNOWN = range(12)
 
 
 class _Known(NamedTuple):
@@ -149,6 +155,13 @@ def _walk(x: Any, signature: list[Any], leaves: list[Any], others: list[int], ch
         signature.append(t)
         signature.append(tuple(kids))
         children = kids.values()
+    elif kind == _NNX:  # a module or an optimizer: saved as its pure dict, so known by its class and that dict
+        if not remembered(x):  # Flax's traversal: the full flatten's alone (twice if it cannot be remembered)
+            raise _Unknown
+        pure = pure_state(sys.modules["flax.nnx"], x)  # flax.nnx is imported: x is one of its objects
+        signature.append(t)
+        signature.append(tuple(pure))
+        children = pure.values()
     elif kind == _NODE:  # its one level as JAX flattens it: children, and a treedef of its class and aux data
         children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
         signature.append(treedef)
@@ -180,7 +193,9 @@ def _kind(t: type, x: Any) -> int:
         return _VARIABLE
     if is_nnx_state(x):
         return _STATE
-    if is_nnx_node(x) or is_state_object(x):
+    if is_nnx_node(x):
+        return _NNX
+    if is_state_object(x):
         return _UNKNOWN
     if issubclass(t, tuple) and hasattr(t, "_fields"):
         return _CLASS

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxckpt
-from jaxckpt import _nnx_state
+from jaxckpt import _nnx_state, _structure, _tree
 
 
 class Block(nnx.Module):
@@ -205,9 +205,14 @@ def test_another_object_at_the_same_address_is_not_taken_for_the_first():
         del net
 
 
-def test_saves_of_a_checkpoint_in_a_loop_restore_each_step(tmp_path, net):
+def test_saves_of_a_checkpoint_in_a_loop_restore_each_step(tmp_path, net, monkeypatch):
+    """The docs' idiom: from the third save on, the flatten is the quick one (no full flatten), from
+    what the model and the optimizer replay; and each checkpoint holds its own step."""
     optimizer = nnx.Optimizer(net, optax.adam(1e-2), wrt=nnx.Param)
     ckpt = jaxckpt.Checkpoint(model=net, optimizer=optimizer)
+    _structure.forget()
+    full = []
+    monkeypatch.setattr(_structure, "flatten", lambda root: full.append(1) or _tree.flatten(root))
 
     @nnx.jit
     def step(net, optimizer, x):
@@ -222,6 +227,7 @@ def test_saves_of_a_checkpoint_in_a_loop_restore_each_step(tmp_path, net):
         saved.append((path, {k: np.asarray(v) for k, v in params.items()}))
     ckpt.wait_until_finished()
     assert len(_nnx_state._seen) == 2  # the model and the optimizer
+    assert len(full) == 2  # the first save's walk stops at the objects not yet remembered; the second remembers
     for path, expected in saved:
         restored = jaxckpt.restore(path)["model"]
         for keys, value in expected.items():

@@ -62,6 +62,27 @@ def _apply(*args):
     return None
 
 
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 4, rngs=rngs)
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+
+
+class Model(nnx.Module):
+    """Submodules in an ``nnx.List`` (integer keys), a head, a BatchStat and a static attribute."""
+
+    def __init__(self, rngs, blocks=2):
+        self.blocks = nnx.List([Block(rngs) for _ in range(blocks)])
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+        self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+        self.name = "model"
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block.norm(block.lin(x))
+        return self.head(x)
+
+
 def trees():
     a = arrays(8)
     params = {"l1": {"kernel": a[0], "bias": a[1]}, "l2": {"kernel": a[2], "bias": a[3]}}
@@ -88,6 +109,11 @@ def trees():
     yield "Checkpoint", jaxckpt.Checkpoint(params=params, step=3, inner=jaxckpt.Checkpoint(w=a[7]))
     yield "TrainState", train_state.TrainState.create(apply_fn=_apply, params=params, tx=optax.adam(1e-3))
     yield "FrozenDict", {"frozen": freeze(params), "data": Registered(a[4], 2, "static")}
+    model = Model(nnx.Rngs(0))
+    yield "nnx.Module", {"model": model, "step": 1}
+    yield "nnx.Optimizer", nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    yield "NNX in a Checkpoint", jaxckpt.Checkpoint(model=model, optimizer=optimizer, step=3)
 
 
 @pytest.mark.parametrize(("name", "root"), list(trees()), ids=[name for name, _ in trees()])
@@ -262,6 +288,104 @@ def test_a_changed_registered_node_is_flattened_in_full(change):
     changed = change(tree)
     as_full_flatten(changed)
     assert _structure._last is not remembered  # flattened in full, and that structure remembered
+
+
+def _replace_head(model):
+    model.head = nnx.Linear(4, 2, use_bias=False, rngs=nnx.Rngs(1))
+
+
+class Head(nnx.Linear):
+    pass
+
+
+def _head_of_another_class(model):  # a pure dict holds no classes: the same structure
+    model.head = Head(4, 2, rngs=nnx.Rngs(1))
+
+
+def _add_attribute(model):
+    model.extra = nnx.Param(jnp.ones(2))
+
+
+def _drop_block(model):
+    model.blocks.pop()
+
+
+def _swap_blocks(model):  # the same structure, the values of other Variables at each place
+    model.blocks[0], model.blocks[1] = model.blocks[1], model.blocks[0]
+
+
+def _new_variable(model):
+    model.head.kernel = nnx.Param(jnp.zeros((4, 2)))
+
+
+def _set_value(model):
+    model.head.kernel.set_value(jnp.zeros((4, 2)))
+
+
+@pytest.mark.parametrize(
+    ("change", "same_structure"),
+    [
+        (_replace_head, False),
+        (_head_of_another_class, True),
+        (_add_attribute, False),
+        (_drop_block, False),
+        (_swap_blocks, True),
+        (_new_variable, True),
+        (_set_value, True),
+    ],
+    ids=[
+        "layer without bias",
+        "head of another class",
+        "attribute added",
+        "block dropped",
+        "blocks swapped",
+        "Variable replaced",
+        "value set",
+    ],
+)
+def test_a_changed_nnx_module_flattens_as_in_full(change, same_structure):
+    """A module changed between two saves: its pure dict's keys decide whether the remembered
+    structure still holds, and the leaves are the Variables' values now, each at its own key."""
+    model = Model(nnx.Rngs(0))
+    root = jaxckpt.Checkpoint(model=model, step=1)
+    as_full_flatten(root)
+    remembered = _structure._last
+    change(model)
+    flat = as_full_flatten(root)
+    assert (_structure._last is remembered) == same_structure
+    assert flat.leaves["model/head/kernel"] is model.head.kernel.get_value()
+    assert flat.leaves["model/blocks/0/lin/kernel"] is model.blocks[0].lin.kernel.get_value()
+
+
+class OtherModel(Model):
+    pass
+
+
+def test_a_module_of_another_class_with_the_same_state_is_another_structure():
+    """The index records the class of each module saved (not of those inside its pure dict)."""
+    root = jaxckpt.Checkpoint(model=Model(nnx.Rngs(0)))
+    as_full_flatten(root)
+    remembered = _structure._last
+    root.model = OtherModel(nnx.Rngs(0))
+    flat = as_full_flatten(root)
+    assert _structure._last is not remembered
+    assert flat.nodes["model"].cls.endswith("OtherModel")
+
+
+def test_a_module_whose_state_flax_cannot_read_is_refused_as_in_full(monkeypatch):
+    model = Model(nnx.Rngs(0))
+    as_full_flatten({"model": model})
+    _add_attribute(model)  # the graph changed: Flax's own calls, which fail
+
+    def fails(*args, **kwargs):
+        raise ValueError("no state here")
+
+    monkeypatch.setattr(nnx, "state", fails)
+    with pytest.raises(UnsupportedValueError, match="no state here") as full:
+        _tree.flatten({"model": model})
+    with pytest.raises(UnsupportedValueError) as quick:
+        _structure.flatten_saved({"model": model})
+    assert str(quick.value) == str(full.value)
 
 
 def test_a_registered_node_with_keys_that_are_not_names_is_not_remembered():
