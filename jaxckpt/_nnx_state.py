@@ -34,13 +34,17 @@ from typing import Any
 
 _MAX_REMEMBERED = 8  # objects: a Checkpoint of a model and an optimizer uses two
 
+# A node a traversal visited: its type, its NodeImpl, its children (see _walk), and a one-item list
+# of how to read them from its attributes directly, or None (see _order; renewed when it no longer fits).
+_Node = tuple[type, Any, list[Any], Any]
+
 
 class _Seen:
     """One traversal: the nodes it visited, each with its children, and the state's paths and Variables."""
 
     __slots__ = ("nodes", "paths", "root", "variables")
 
-    def __init__(self, root: weakref.ref[Any], nodes: list[tuple[Any, Any, list[Any]]], flat: list[Any]) -> None:
+    def __init__(self, root: weakref.ref[Any], nodes: list[_Node], flat: list[Any]) -> None:
         self.root = root
         self.nodes = nodes  # (node type, its NodeImpl, [key, kind, child or weakref or _PYTREE, ...]): see _walk
         self.paths = tuple(path for path, _ in flat)
@@ -65,10 +69,13 @@ def _same(held: Any, x: Any) -> bool:
 
 def _flax() -> types.SimpleNamespace | None:
     try:
-        from flax.nnx import graphlib, statelib, traversals, variablelib
+        from flax.nnx import graphlib, pytreelib, statelib, traversals, variablelib
     except ImportError:  # pragma: no cover - another Flax
         return None
-    return types.SimpleNamespace(graph=graphlib, state=statelib, traversals=traversals, variables=variablelib)
+    flatten = getattr(getattr(pytreelib, "Pytree", None), "_graph_node_flatten", None)  # see _order
+    return types.SimpleNamespace(
+        graph=graphlib, state=statelib, traversals=traversals, variables=variablelib, pytree_flatten=flatten
+    )
 
 
 def pure_state(nnx: Any, x: Any) -> dict[Any, Any]:
@@ -110,7 +117,7 @@ def _remember(flax: types.SimpleNamespace, x: Any, state: Any, pure: dict[Any, A
     try:
         if not _graph_mode(flax):
             return  # a traversal of another kind: what graph mode saw is still what it would see
-        nodes: list[tuple[Any, Any, list[Any]]] = []
+        nodes: list[_Node] = []
         _walk(flax, x, nodes, set())
         seen = _Seen(weakref.ref(x), nodes, list(flax.state.to_flat_state(state)))
         is_variable = flax.variables.Variable
@@ -150,10 +157,45 @@ def _children(flax: types.SimpleNamespace, node: Any, impl: Any) -> list[tuple[A
     return out
 
 
+def _order(flax: types.SimpleNamespace, node: Any, impl: Any, children: list[tuple[Any, int, Any]]) -> Any:
+    """How :func:`_in_order` reads ``node``'s children without Flax's flatten (which sorts its
+    attributes and wraps each, 3 us a Linear): (its attribute names in ``vars`` order, its data map,
+    the position in ``vars`` of each child in Flax's order). Only for an NNX Pytree (a Module, an
+    Optimizer, an ``nnx.List``...) whose flatten is Flax's own, which lists every attribute, sorted by
+    name, as data or static by the data map ``_pytree__nodes``; and only where ``children`` are
+    exactly those attributes, re-ordered. Else None: Flax's flatten each time."""
+    if flax.pytree_flatten is None or impl.flatten is not flax.pytree_flatten:
+        return None
+    attributes = vars(node)
+    names = tuple(attributes)
+    at = {name: j for j, name in enumerate(names)}
+    positions = [at.get(str(key), -1) for key, _, _ in children]  # an nnx.List's keys are ints
+    values = list(attributes.values())
+    if sorted(positions) != list(range(len(names))) or any(
+        values[j] is not v for j, (_, _, v) in zip(positions, children)
+    ):
+        return None
+    return names, getattr(node, "_pytree__nodes", None), positions
+
+
+def _in_order(node: Any, order: Any) -> list[Any] | None:
+    """``node``'s children in Flax's order, read from ``vars(node)`` where its attribute names (in
+    their order) and its data map are the very ones :func:`_order` saw (the keys and kinds are then
+    the same); else None, and Flax's flatten decides."""
+    if order is None:
+        return None
+    names, data_map, positions = order
+    attributes = vars(node)
+    if tuple(attributes) != names or getattr(node, "_pytree__nodes", None) is not data_map:
+        return None
+    values = list(attributes.values())
+    return [values[j] for j in positions]
+
+
 _PYTREE = object()  # a child that is a pytree node: compared by its own children, not by identity
 
 
-def _walk(flax: types.SimpleNamespace, node: Any, nodes: list[tuple[Any, Any, list[Any]]], visited: set[int]) -> None:
+def _walk(flax: types.SimpleNamespace, node: Any, nodes: list[_Node], visited: set[int]) -> None:
     """The nodes that Flax's graph flatten visits from ``node`` (see ``graphlib._graph_flatten``), in
     its order: each node's type, NodeImpl, and its children as (key, kind, the child held or
     :data:`_PYTREE` for a pytree node, which Flax rebuilds freely and never shares, its NodeImpl)."""
@@ -169,13 +211,13 @@ def _walk(flax: types.SimpleNamespace, node: Any, nodes: list[tuple[Any, Any, li
     for key, kind, value in children:
         child = flax.graph.get_node_impl(value)
         held += (key, kind, _PYTREE if type(child) is flax.graph.PytreeNodeImpl else _held(value), child)
-    nodes.append((type(node), impl, held))
+    nodes.append((type(node), impl, held, [_order(flax, node, impl, children)]))
     for _, kind, value in children:
         if kind != 0:
             _walk(flax, value, nodes, visited)
 
 
-def _unchanged(flax: types.SimpleNamespace, root: Any, nodes: list[tuple[Any, Any, list[Any]]]) -> bool:
+def _unchanged(flax: types.SimpleNamespace, root: Any, nodes: list[_Node]) -> bool:
     """Whether the graph from ``root``, walked as :func:`_walk` does, visits nodes of the same types
     with the same children: the same objects, pytree nodes aside (whose children are compared)."""
     remembered = iter(nodes)
@@ -187,10 +229,14 @@ def _unchanged(flax: types.SimpleNamespace, root: Any, nodes: list[tuple[Any, An
             if id(node) in visited:
                 return True
             visited.add(id(node))
-        cls, was_impl, held = next(remembered, (None, None, None))
+        cls, was_impl, held, order = next(remembered, (None, None, None, [None]))
         if type(node) is not cls or impl is not was_impl or held is None:
             return False
-        children = _children(flax, node, impl)
+        values = _in_order(node, order[0])
+        if values is None:
+            children = _children(flax, node, impl)
+        else:  # the very attribute names and data map: Flax's flatten would list the same keys and kinds
+            children = [(held[4 * i], held[4 * i + 1], value) for i, value in enumerate(values)]
         if len(children) * 4 != len(held):
             return False
         for i, (key, kind, value) in enumerate(children):
@@ -200,6 +246,8 @@ def _unchanged(flax: types.SimpleNamespace, root: Any, nodes: list[tuple[Any, An
             # The same object has the same NodeImpl: only a pytree child, maybe a new one, is looked up.
             if not (flax.graph.get_node_impl(value) is child if was is _PYTREE else _same(was, value)):
                 return False
+        if values is None:  # the same children, its attributes set anew (nnx.jit sets them in sorted order)
+            order[0] = _order(flax, node, impl, children)
         return all(
             same(value, held[4 * i + 3])
             for i, (_, kind, value) in enumerate(children)

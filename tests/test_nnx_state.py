@@ -130,6 +130,13 @@ def variable_to_plain_value(net):
     net.scale = nnx.data(2.0)  # state, but not a Variable: never remembered (see below)
 
 
+def static_to_data(net):
+    net.width = nnx.data(net.width)  # the very same object: only the data map tells (never remembered either)
+
+
+NEVER_REMEMBERED = (variable_to_plain_value, static_to_data)
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -144,6 +151,7 @@ def variable_to_plain_value(net):
         static_to_variable,
         plain_list,
         variable_to_plain_value,
+        static_to_data,
     ],
 )
 def test_any_change_of_the_graph_goes_through_flax_again(net, change):
@@ -151,8 +159,8 @@ def test_any_change_of_the_graph_goes_through_flax_again(net, change):
     _check(flax, net, remembered=False)
     change(net)
     _check(flax, net, remembered=False)
-    _check(flax, net, remembered=change is not variable_to_plain_value)  # the new graph is remembered
-    assert (id(net) in _nnx_state._seen) is (change is not variable_to_plain_value)  # else forgotten
+    _check(flax, net, remembered=change not in NEVER_REMEMBERED)  # the new graph is remembered
+    assert (id(net) in _nnx_state._seen) is (change not in NEVER_REMEMBERED)  # else forgotten
 
 
 def test_a_plain_list_that_grows_in_place_goes_through_flax_again(net):
@@ -179,6 +187,30 @@ def test_training_steps_of_nnx_jit_keep_the_graph(net):
         step(net, optimizer, jnp.ones((5, 4)))
         _check(flax, net, remembered=True)
         _check(flax, optimizer, remembered=True)
+
+
+def test_replays_read_the_attributes_of_modules_without_flax_flatten(net, monkeypatch):
+    """Each NNX Pytree's children are read from its attributes; Flax's flatten (which sorts and
+    wraps them) runs again only for a node whose attributes were set anew, once, as nnx.jit does."""
+    flax = _Counting()
+    _check(flax, net, remembered=False)
+    flattened = []
+    real = _nnx_state._children
+
+    def spy(flax, node, impl):
+        if isinstance(node, nnx.Pytree):  # not the pytrees among them (each Pytree's own PytreeState)
+            flattened.append(node)
+        return real(flax, node, impl)
+
+    monkeypatch.setattr(_nnx_state, "_children", spy)
+    _check(flax, net, remembered=True)
+    assert flattened == []
+    nnx.jit(lambda net, x: net(x))(net, jnp.ones((2, 4)))  # sets every module's attributes anew, in sorted order
+    _check(flax, net, remembered=True)
+    assert flattened and all(isinstance(x, nnx.Pytree) for x in flattened)
+    flattened.clear()
+    _check(flax, net, remembered=True)
+    assert flattened == []
 
 
 def test_a_plain_array_attribute_is_never_remembered(net):
