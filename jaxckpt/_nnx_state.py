@@ -8,14 +8,16 @@ that decides what that State holds depends only on the objects in the graph: whi
 attribute of each graph node is. So after a full call, what Flax's traversal saw is remembered: each
 node visited with the objects its ``flatten`` gave (weakly where they allow it, as the root object),
 and the pure dict's paths with their Variables in the order ``to_pure_dict`` reads them. The next
-call walks the graph again by the same ``flatten`` and compares object identities only; pytree
-nodes (tuples, optax states), which ``nnx.jit`` rebuilds at every step and Flax never shares, are
-compared by their children instead. If every node gives the very objects it gave before, the State
-would be the same, and the pure dict is made from the remembered paths and each Variable's value
-now (``get_value()``, or the raw array where that is what it would return). Anything else (a
-submodule replaced, an attribute added, removed or rebound, a Variable swapped for another, a
-node's data turned static, the root gone, an error) makes the full call again, and what it saw is
-remembered. For the 300 layers and their optimizer, a save's wait goes from 35 to 13 ms.
+call walks the graph again by the same ``flatten`` and compares object identities only; pytree nodes
+(tuples, optax states), which ``nnx.jit`` rebuilds at every step and Flax never shares, are compared
+by their children instead. An NNX Pytree's (a Module's, an Optimizer's) children are read straight
+from its attributes, in the order Flax's ``flatten`` gave them, while its attribute names and data
+map are the ones seen (see :func:`_order`). If every node gives the very objects it gave before, the
+State would be the same, and the pure dict is made from the remembered paths and each Variable's
+value now (``get_value()``, or the raw array where that is what it would return). Anything else (a
+submodule replaced, an attribute added, removed or rebound, a Variable swapped for another, a node's
+data turned static, the root gone, an error) makes the full call again, and what it saw is
+remembered. For the 300 layers and their optimizer, a save's wait goes from 35 to 10 ms.
 
 Not remembered: objects whose state holds anything but Variables (a plain array as an attribute
 would be kept alive here), trees in Flax's tree mode (``nnx.set_graph_mode``), another Flax whose
