@@ -38,7 +38,7 @@ _MAX_REMEMBERED = 8  # objects: a Checkpoint of a model and an optimizer uses tw
 
 # A node a traversal visited: its type, its NodeImpl, its children (see _walk), and a one-item list
 # of how to read them from its attributes directly, or None (see _order; renewed when it no longer fits).
-_Node = tuple[type, Any, list[Any], Any]
+_Node = tuple[type, Any, list[Any], list[Any]]
 
 
 class _Seen:
@@ -48,7 +48,7 @@ class _Seen:
 
     def __init__(self, root: weakref.ref[Any], nodes: list[_Node], flat: list[Any]) -> None:
         self.root = root
-        self.nodes = nodes  # (node type, its NodeImpl, [key, kind, child or weakref or _PYTREE, ...]): see _walk
+        self.nodes = nodes  # (type, NodeImpl, [key, kind, child or weakref or _PYTREE, its NodeImpl, ...], [order])
         self.paths = tuple(path for path, _ in flat)
         self.variables = [variable for _, variable in flat]
 

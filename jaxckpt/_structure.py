@@ -156,7 +156,7 @@ def _walk(x: Any, signature: list[Any], leaves: list[Any], others: list[int], ch
         signature.append(tuple(kids))
         children = kids.values()
     elif kind == _NNX:  # a module or an optimizer: saved as its pure dict, so known by its class and that dict
-        if not remembered(x):  # Flax's traversal: the full flatten's alone (twice if it cannot be remembered)
+        if not remembered(x):  # not yet: Flax's traversal is the full flatten's to make, not the walk's too
             raise _Unknown
         pure = pure_state(sys.modules["flax.nnx"], x)  # flax.nnx is imported: x is one of its objects
         signature.append(t)
