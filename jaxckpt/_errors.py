@@ -34,6 +34,12 @@ class NotACheckpointError(CheckpointNotFoundError):
     """The path exists but holds no finished checkpoint (no valid index)."""
 
 
+class CheckpointReplacedError(CheckpointNotFoundError):
+    """The checkpoint was replaced by another save (``overwrite=True``) while it was being read, and
+    the files of the one being read were deleted; nothing of either was returned.
+    :func:`jaxckpt.restore` reads the new one by itself (up to three times more) before raising it."""
+
+
 class CheckpointExistsError(JaxckptError, FileExistsError):
     """A save would replace an existing checkpoint without ``overwrite=True``."""
 

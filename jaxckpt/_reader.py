@@ -24,6 +24,7 @@ from jaxckpt._checksums import StoreChecksums, checksums_limit
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     MissingKeyError,
     NotACheckpointError,
     UnsupportedValueError,
@@ -111,7 +112,7 @@ class Opened:
             except NotACheckpointError:
                 if pinned is None or not pinned.replaced():
                     raise
-        raise CheckpointNotFoundError(
+        raise CheckpointReplacedError(
             f"The checkpoint {str(self.path)!r} was replaced twice while it was being opened (saved over with "
             "overwrite=True); nothing was read. Open it again once the saves are done."
         )
@@ -207,10 +208,10 @@ class Opened:
                 raise CheckpointNotFoundError(
                     f"The checkpoint {str(self.path)!r} was deleted while it was being read: {e}"
                 ) from e
-            raise CheckpointNotFoundError(
+            raise CheckpointReplacedError(
                 f"The checkpoint {str(self.path)!r} was replaced by another save (overwrite=True) while it was being "
-                f"read, and the files of the one read were deleted: {e} No value of either was returned; read it "
-                "again for the new one."
+                "read, and the files of the one read were deleted. No value of either was returned; read it again "
+                "for the new one."
             ) from e
 
     def _read(self, wanted: Mapping[str, Any], leaves: list[Leaf]) -> list[Any]:

@@ -13,6 +13,7 @@ import numpy as np
 from jaxckpt import _async, _formats
 from jaxckpt._errors import (
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     MismatchError,
     MissingKeyError,
     RestoreAssertionError,
@@ -271,6 +272,18 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
             "directory holds none; check for None before restoring, or use CheckpointManager.restore_or_initialize()."
         )
     _async.SAVES.wait()
+    for _ in range(REPLACED_RETRIES):
+        try:
+            return _restore(path, like, partial, key_map)
+        except CheckpointReplacedError:  # saved over while read (nothing of it returned): read the new one
+            pass
+    return _restore(path, like, partial, key_map)
+
+
+REPLACED_RETRIES = 3  # reads of a checkpoint saved over while read, before the error is the caller's
+
+
+def _restore(path: PathLike, like: Any, partial: bool, key_map: KeyMap | None) -> Any:
     opened = open_latest(path)
     if key_map is not None:
         opened = mapped(opened, key_map)

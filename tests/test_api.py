@@ -13,7 +13,8 @@ PUBLIC = {
     # inspection
     "inspect", "CheckpointView", "ManagerView",
     # errors and warnings
-    "JaxckptError", "CheckpointNotFoundError", "NotACheckpointError", "CheckpointExistsError", "ManagerLockedError",
+    "JaxckptError", "CheckpointNotFoundError", "NotACheckpointError", "CheckpointReplacedError",
+    "CheckpointExistsError", "ManagerLockedError",
     "CheckpointFormatError", "UnsupportedVersionError", "CheckpointCorruptedError", "MismatchError",
     "MissingKeyError", "UnsupportedValueError", "RestoreAssertionError", "UnusedValuesWarning", "StorageError",
 }  # fmt: skip
