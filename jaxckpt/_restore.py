@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import _async, _formats
+from jaxckpt import _async, _formats, _storage
 from jaxckpt._errors import (
     CheckpointNotFoundError,
     CheckpointReplacedError,
@@ -249,7 +249,9 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
     and shardings; NNX modules and state objects in it are updated in place. Keys must match one to
     one unless ``partial=True`` (then unmatched leaves of ``like`` keep their values). Without
     ``like``, containers are rebuilt as saved and arrays come back as numpy. ``path`` may be a
-    manager's directory: its latest checkpoint.
+    manager's directory: its latest checkpoint (read again, up to three times, where the manager's
+    retention deletes the one being read). A checkpoint that another save replaces while it is read
+    (``overwrite=True``) is read again too; then :class:`CheckpointReplacedError`.
 
     ``path`` may also be a checkpoint that another library wrote, recognized from what is on disk: a
     TensorFlow prefix (``tf_ckpts/ckpt-5``) or its manager's directory, an Orbax checkpoint, item or
@@ -272,19 +274,25 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
             "directory holds none; check for None before restoring, or use CheckpointManager.restore_or_initialize()."
         )
     _async.SAVES.wait()
-    for _ in range(REPLACED_RETRIES):
+    for retries_left in range(REREADS, -1, -1):
+        opened = open_latest(path)
         try:
-            return _restore(path, like, partial, key_map)
+            return _restore(opened, like, partial, key_map)
         except CheckpointReplacedError:  # saved over while read (nothing of it returned): read the new one
-            pass
-    return _restore(path, like, partial, key_map)
+            if not retries_left:
+                raise
+        except CheckpointNotFoundError:
+            # A directory's latest checkpoint, deleted by its manager's retention while read: the latest again.
+            latest = isinstance(opened, Opened) and opened.location != _storage.location(path)
+            if not retries_left or not latest:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
-REPLACED_RETRIES = 3  # reads of a checkpoint saved over while read, before the error is the caller's
+REREADS = 3  # of a checkpoint saved over, or of a directory's latest deleted, while read, before the error
 
 
-def _restore(path: PathLike, like: Any, partial: bool, key_map: KeyMap | None) -> Any:
-    opened = open_latest(path)
+def _restore(opened: Opened | ForeignOpened, like: Any, partial: bool, key_map: KeyMap | None) -> Any:
     if key_map is not None:
         opened = mapped(opened, key_map)
     index = opened.index

@@ -193,5 +193,62 @@ def test_a_checkpoint_replaced_under_every_read_is_an_error_that_says_so(tmp_pat
     assert jaxckpt.restore(path)["step"] == saved[-1]  # nothing was left half done
 
 
+@pytest.fixture
+def trainer_saves_on_read(monkeypatch, tmp_path):
+    """A trainer's manager keeping one checkpoint; each of the next ``times[0]`` loads first lets it
+    save the next step, which deletes the checkpoint being read (as another process would)."""
+    from jaxckpt._reader import Opened
+
+    ckpt = jaxckpt.Checkpoint(tree=_tree(1))
+    trainer = jaxckpt.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=1)
+    trainer.save(1)
+    trainer.wait_until_finished()
+    real = Opened.load
+    times = [0]
+
+    def load(self, wanted, leaves=None):
+        if times[0] > 0:
+            times[0] -= 1
+            step = trainer.latest_step() + 1
+            ckpt.tree = _tree(step)
+            trainer.save(step)
+            trainer.wait_until_finished()
+        return real(self, wanted, leaves)
+
+    monkeypatch.setattr(Opened, "load", load)
+    yield trainer, times
+    trainer.close()
+
+
+def test_the_latest_of_a_directory_deleted_while_read_is_read_again(tmp_path, trainer_saves_on_read):
+    """``restore(directory)`` means its latest checkpoint: where the trainer's retention deletes the one
+    being read, the restore reads the latest again (an evaluator following a trainer that keeps one)."""
+    trainer, times = trainer_saves_on_read
+    times[0] = 2
+    restored = jaxckpt.restore(tmp_path / "run")
+    assert times[0] == 0 and trainer.all_steps() == [3]
+    assert restored["tree"]["step"] == 3
+    np.testing.assert_array_equal(restored["tree"]["w"], np.full((64, 64), 3, np.float32))
+
+
+def test_a_directory_whose_latest_is_deleted_under_every_read_is_an_error(tmp_path, trainer_saves_on_read):
+    _, times = trainer_saves_on_read
+    times[0] = 100
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="deleted while it was being read"):
+        jaxckpt.restore(tmp_path / "run")
+    assert times[0] == 96  # four reads, each of the latest then
+
+
+@pytest.mark.parametrize("spelled", [str, lambda p: p + "/", lambda p: p.replace("/ckpt-", "/./ckpt-")])
+def test_a_checkpoint_named_by_its_path_deleted_while_read_is_an_error(tmp_path, trainer_saves_on_read, spelled):
+    """A checkpoint asked for by its own path (however written) is that one: deleted under the
+    read, it is an error, not the directory's next checkpoint."""
+    trainer, times = trainer_saves_on_read
+    times[0] = 1
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="deleted while it was being read"):
+        jaxckpt.restore(spelled(str(trainer.latest_checkpoint)))
+    assert trainer.all_steps() == [2]
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
