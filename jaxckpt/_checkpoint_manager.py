@@ -354,6 +354,8 @@ class CheckpointManager:
         the restore status, as :meth:`Checkpoint.restore` does. Raises CheckpointNotFoundError, naming
         the kept steps, if there is no such checkpoint. A ``read_only`` manager of one tier first reads
         the state file again (:meth:`reload`) if it does not know the step: a trainer may have saved it since.
+        Restoring its latest (no ``step``), it reads the state file and the latest again where the
+        trainer's retention deletes the checkpoint being read (up to three times).
 
         With two tiers, the local checkpoint of the step when the local tier holds it, else the durable
         one; a local checkpoint that fails to restore (damaged, or gone) falls back to the durable one,

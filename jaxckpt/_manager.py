@@ -53,7 +53,7 @@ from jaxckpt._manager_orbax import OrbaxCalls
 from jaxckpt._policies import CheckpointInfo
 from jaxckpt._preemption import PreemptionHandler, PreemptionSaves
 from jaxckpt._refs import deletions
-from jaxckpt._restore import RestoreStatus
+from jaxckpt._restore import REREADS, RestoreStatus
 from jaxckpt._retention import RetentionCalls
 from jaxckpt._statefile import STATE_FILE, latest_checkpoint
 from jaxckpt._tree import PathLike
@@ -282,18 +282,27 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         the restore status, as :meth:`Checkpoint.restore` does. Raises CheckpointNotFoundError, naming
         the kept steps, if there is no such checkpoint."""
         self._background.wait()
-        matches = [c for c in self._infos if step is None or c.step == operator.index(step)]
-        if not matches and self._options.read_only:  # saved since this manager read the state file?
-            self.reload()
+        for retries_left in range(REREADS, -1, -1):
             matches = [c for c in self._infos if step is None or c.step == operator.index(step)]
-        if not matches:
-            raise CheckpointNotFoundError(
-                f"{self._directory!r} has no checkpoint"
-                + ("" if step is None else f" of step {step}; its kept steps are {[c.step for c in self._infos]}")
-                + ". Save one first, or restore from another directory."
-            )
-        with _memories.restoring(self._memory):
-            status = self._checkpoint.restore(matches[-1].path)
+            if not matches and self._options.read_only:  # saved since this manager read the state file?
+                self.reload()
+                matches = [c for c in self._infos if step is None or c.step == operator.index(step)]
+            if not matches:
+                raise CheckpointNotFoundError(
+                    f"{self._directory!r} has no checkpoint"
+                    + ("" if step is None else f" of step {step}; its kept steps are {[c.step for c in self._infos]}")
+                    + ". Save one first, or restore from another directory."
+                )
+            try:
+                with _memories.restoring(self._memory):
+                    status = self._checkpoint.restore(matches[-1].path)
+                break
+            except CheckpointNotFoundError:
+                # An evaluator's latest, deleted by the trainer's retention while read (nothing of it
+                # was restored): the state file and the latest again.
+                if step is not None or not self._options.read_only or not retries_left:
+                    raise
+                self.reload()
         self._restored()
         return status
 

@@ -206,7 +206,8 @@ class Opened:
                 raise
             if not _storage.is_checkpoint(self.location):
                 raise CheckpointNotFoundError(
-                    f"The checkpoint {str(self.path)!r} was deleted while it was being read: {e}"
+                    f"The checkpoint {str(self.path)!r} was deleted while it was being read (by its manager's "
+                    "retention, say); nothing of it was returned."
                 ) from e
             raise CheckpointReplacedError(
                 f"The checkpoint {str(self.path)!r} was replaced by another save (overwrite=True) while it was being "

@@ -250,5 +250,22 @@ def test_a_checkpoint_named_by_its_path_deleted_while_read_is_an_error(tmp_path,
     assert trainer.all_steps() == [2]
 
 
+def test_an_evaluator_s_latest_deleted_while_read_is_read_again(tmp_path, trainer_saves_on_read):
+    """A read-only manager's ``restore()`` (its latest) reads the state file and the latest again
+    where the trainer's retention deletes the one being read; ``restore(step)`` of that step is an error."""
+    trainer, times = trainer_saves_on_read
+    evaluated = jaxckpt.Checkpoint(tree=_tree(0))
+    evaluator = jaxckpt.CheckpointManager(evaluated, tmp_path / "run", read_only=True)
+    times[0] = 2
+    evaluator.restore().assert_consumed()
+    assert evaluated.tree["step"] == 3 and evaluator.latest_step() == 3 == trainer.latest_step()
+    np.testing.assert_array_equal(evaluated.tree["w"], np.full((64, 64), 3, np.float32))
+    times[0] = 1
+    with pytest.raises(jaxckpt.CheckpointNotFoundError, match="deleted while it was being read"):
+        evaluator.restore(3)
+    assert evaluated.tree["step"] == 3  # the failed restore changed nothing
+    evaluator.close()
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
