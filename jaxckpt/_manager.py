@@ -283,19 +283,10 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         the kept steps, if there is no such checkpoint."""
         self._background.wait()
         for retries_left in range(REREADS, -1, -1):
-            matches = [c for c in self._infos if step is None or c.step == operator.index(step)]
-            if not matches and self._options.read_only:  # saved since this manager read the state file?
-                self.reload()
-                matches = [c for c in self._infos if step is None or c.step == operator.index(step)]
-            if not matches:
-                raise CheckpointNotFoundError(
-                    f"{self._directory!r} has no checkpoint"
-                    + ("" if step is None else f" of step {step}; its kept steps are {[c.step for c in self._infos]}")
-                    + ". Save one first, or restore from another directory."
-                )
+            path = self._kept(step).path
             try:
                 with _memories.restoring(self._memory):
-                    status = self._checkpoint.restore(matches[-1].path)
+                    status = self._checkpoint.restore(path)
                 break
             except CheckpointNotFoundError:
                 # An evaluator's latest, deleted by the trainer's retention while read (nothing of it
@@ -305,6 +296,21 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
                 self.reload()
         self._restored()
         return status
+
+    def _kept(self, step: int | None) -> CheckpointInfo:
+        """The kept checkpoint of ``step`` (the latest without one); a read-only manager that does
+        not know it reads the state file again first (a trainer may have saved it since)."""
+        matches = [c for c in self._infos if step is None or c.step == operator.index(step)]
+        if not matches and self._options.read_only:
+            self.reload()
+            matches = [c for c in self._infos if step is None or c.step == operator.index(step)]
+        if not matches:
+            raise CheckpointNotFoundError(
+                f"{self._directory!r} has no checkpoint"
+                + ("" if step is None else f" of step {step}; its kept steps are {[c.step for c in self._infos]}")
+                + ". Save one first, or restore from another directory."
+            )
+        return matches[-1]
 
     def _restored(self) -> None:
         """As TF's restore_or_initialize: the interval counts from the restored step."""

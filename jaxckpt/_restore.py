@@ -277,7 +277,7 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
     for retries_left in range(REREADS, -1, -1):
         opened = open_latest(path)
         try:
-            return _restore(opened, like, partial, key_map)
+            return _restore_from(opened, like, partial, key_map)
         except CheckpointReplacedError:  # saved over while read (nothing of it returned): read the new one
             if not retries_left:
                 raise
@@ -292,7 +292,7 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
 REREADS = 3  # of a checkpoint saved over, or of a directory's latest deleted, while read, before the error
 
 
-def _restore(opened: Opened | ForeignOpened, like: Any, partial: bool, key_map: KeyMap | None) -> Any:
+def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_map: KeyMap | None) -> Any:
     if key_map is not None:
         opened = mapped(opened, key_map)
     index = opened.index
