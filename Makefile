@@ -3,7 +3,8 @@
 # `make dist` builds the sdist and wheel into dist/ (the dist extra: build, twine) and checks them;
 # `make smoke` installs that wheel, and a copy of the checkout (`pip install ".[flax]"`, as from a clone),
 # each into a fresh virtualenv outside the checkout, and uses them from there.
-# `make lint` checks style (ruff) and types (mypy, configured in pyproject.toml: zero errors).
+# `make lint` checks style (ruff), types (mypy, configured in pyproject.toml: zero errors) and the layers'
+# import directions (import-linter's contract in pyproject.toml).
 # `make docs` also installs the docs extra (Sphinx, MyST, furo), then builds the site into
 # docs/_build/html strictly: a warning, a broken link or an unresolved reference fails it.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -74,6 +75,7 @@ lint: $(STAMP)
 	# docs/: conf.py only; the pages' examples keep their aligned comments (they run in tests/test_docs.py).
 	$(PY) -m ruff format --check jaxckpt tests examples benchmarks scripts docs/conf.py
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) demo_ckpts dist build docs/_build

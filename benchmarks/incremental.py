@@ -25,7 +25,7 @@ memory pre-touched (3x the state + 512 MiB; see /work/shared/BENCHMARKING.md):
   ``ckpt.restore(manager.latest_checkpoint)``
 - ``all-changing`` and ``all-changing-full``: every array (base included) replaced at every step (a
   jitted ``w * 0.999 + 0.001``): what looking for unchanged arrays costs. Besides the save times of
-  both, the time jaxckpt spends in :mod:`jaxckpt._incremental` itself (``Memory.link``, ``refs``,
+  both, the time jaxckpt spends in :mod:`jaxckpt.incremental.local` itself (``Memory.link``, ``refs``,
   ``remember``) is measured directly, as a share of the save time.
 - ``host`` and ``host-full``: the LoRA-shaped run with the base as numpy arrays (host data, compared
   by content), the same arrays throughout; ``host-copied``: the base replaced by equal copies at
@@ -126,13 +126,13 @@ def child(config: str, workdir: str, side: int, leaves: int, steps: int) -> dict
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
     folder = os.path.join(workdir, f"{config}-ckpts")
 
-    # The time spent in jaxckpt._incremental itself (where this jaxckpt has it).
+    # The time spent in jaxckpt.incremental.local itself (where this jaxckpt has it).
     looking: list[float] = []
     try:
-        from jaxckpt import _incremental
+        from jaxckpt.incremental import local
 
         for name in ("link", "refs", "remember"):
-            real = getattr(_incremental.Memory, name)
+            real = getattr(local.Memory, name)
 
             def timed(self: Any, *a: Any, _real: Any = real, **k: Any) -> Any:
                 t = time.perf_counter()
@@ -141,7 +141,7 @@ def child(config: str, workdir: str, side: int, leaves: int, steps: int) -> dict
                 finally:
                     looking.append(time.perf_counter() - t)
 
-            setattr(_incremental.Memory, name, timed)
+            setattr(local.Memory, name, timed)
     except ImportError:
         pass
 
@@ -247,7 +247,7 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def table(summary: dict[str, Any]) -> str:
     lines = [
         "| configuration | first save: s | MiB written | later saves: median s | median MiB written "
-        "| x full: bytes | x full: time | on disk at the end: MiB | in _incremental: median ms |",
+        "| x full: bytes | x full: time | on disk at the end: MiB | in local: median ms |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for config, s in summary.items():

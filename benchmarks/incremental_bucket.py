@@ -1,5 +1,5 @@
 """Incremental checkpoints on a bucket (issue 27): the LoRA-shaped run against an S3 server (moto on
-127.0.0.1), a manager with incremental saves (unchanged arrays stored by reference, jaxckpt._refs)
+127.0.0.1), a manager with incremental saves (unchanged arrays stored by reference, jaxckpt.incremental.refs)
 against one without.
 
     python benchmarks/incremental_bucket.py              # 16 x 2048^2 float32 base (256 MiB), 10 steps
@@ -36,10 +36,10 @@ RANK = 8
 
 
 def objects_bytes(path: str) -> int:
-    from jaxckpt import _kvstore, _storage
+    from jaxckpt.storage import kvstore, locations
 
-    base = _storage.location(path).spec()
-    return sum(len(_kvstore.kv_read(base, key) or b"") for key in _kvstore.kv_keys(base))
+    base = locations.location(path).spec()
+    return sum(len(kvstore.kv_read(base, key) or b"") for key in kvstore.kv_keys(base))
 
 
 def run(directory: str, *, incremental: bool, side: int, leaves: int, steps: int) -> dict[str, Any]:

@@ -34,9 +34,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxckpt
-from jaxckpt import _format, _index_encode, _reader, _storage, _tensorstore
-from jaxckpt._format import ArrayLeaf, InArray, Index, Layout, MeshRecord
-from jaxckpt._tree import flatten
+from jaxckpt.arrays import store_write
+from jaxckpt.format import index_encode
+from jaxckpt.format import records as _format
+from jaxckpt.format.records import ArrayLeaf, InArray, Index, Layout, MeshRecord
+from jaxckpt.reading import reader
+from jaxckpt.storage import locations
+from jaxckpt.tree.objects import flatten
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_COUNTS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -70,7 +74,7 @@ def build(
     shape = (ROWS * processes * devices_per_process, COLS)
     layout = Layout(mesh, (("x",), ()))
     flat = flatten({f"layer{i:05d}": {"w": 0} for i in range(arrays)})
-    chunks = tuple(_tensorstore.chunk_shape(shape, [ROWS, COLS], 4))
+    chunks = tuple(store_write.chunk_shape(shape, [ROWS, COLS], 4))
     leaves = {}
     for i, key in enumerate(flat.leaves):
         at = InArray(f"a/{i}", "float32", None, chunks, layout)
@@ -87,9 +91,9 @@ def build(
     meta = {"writer": "benchmarks/simulate_pod.py"}
     index = Index(flat.nodes, leaves, [], meta, meshes=[] if explicit else [mesh], save="51a1")
     folder.mkdir(parents=True, exist_ok=True)
-    location = _storage.location(folder)
+    location = locations.location(folder)
     for process in [me] if writers is None else writers:
-        writer = _tensorstore.Writer((location / _format.data_store(process)).spec())
+        writer = store_write.Writer((location / _format.data_store(process)).spec())
         for i, leaf in enumerate(leaves.values()):
             data = value(i, shape)
             parts = [
@@ -103,7 +107,7 @@ def build(
             writer.add_array(leaf.at.path, shape, leaf.dtype, chunks, parts)
         writer.flush()
         writer.finish("51a1")  # the data store's checksums, for the save the index names
-    (folder / _format.INDEX_FILE).write_bytes(_index_encode.encode_index(index))
+    (folder / _format.INDEX_FILE).write_bytes(index_encode.encode_index(index))
     return index
 
 
@@ -121,7 +125,7 @@ def own_regions(index: Index, me: int, devices_per_process: int = 1) -> dict[str
 
 def restore_own(folder: Path, index: Index, me: int, devices_per_process: int = 1) -> list[str]:
     """Restore process ``me``'s regions, check them, and return the data stores it opened."""
-    opened = _reader.Opened(folder)
+    opened = reader.Opened(folder)
     wanted = own_regions(index, me, devices_per_process)
     got = opened.read_regions(wanted)
     shape = next(iter(index.leaves.values())).shape

@@ -48,7 +48,7 @@ napoleon_use_ivar = True
 # network; without it they are let through.
 nitpick_ignore_regex = [(r"py:.*", r"(?!jaxckpt\b).*")]
 # The index records (dtype, shape, ...) that CheckpointView.leaves holds: the format page describes them.
-nitpick_ignore = [("py:class", "jaxckpt._format.ArrayLeaf"), ("py:class", "jaxckpt._format.ValueLeaf")]
+nitpick_ignore = [("py:class", "jaxckpt.format.records.ArrayLeaf"), ("py:class", "jaxckpt.format.records.ValueLeaf")]
 
 # Objects that jaxckpt returns rather than ones a user builds: their constructors take its internals
 # (an opened index, a probe of the path), so the reference shows no constructor signature.
@@ -80,11 +80,16 @@ def _signature(app, what, name, obj, options, signature, return_annotation):
     return signature, return_annotation
 
 
+def _internal(name: str) -> bool:
+    """``name`` is in one of jaxckpt's internal modules (its layers' subpackages, ``jaxckpt._errors``...)."""
+    return name.startswith("jaxckpt.") and name.split(".")[1] not in jaxckpt.__all__
+
+
 def _unresolved(app, env, node, contnode):
-    """References that have no page of their own: a private module (named in a docstring for those who
-    read the code) shows as its name; a type variable shows as its name."""
+    """References that have no page of their own: an internal module (named in a docstring for those who
+    read the code: any but ``jaxckpt`` itself) shows as its name; a type variable shows as its name."""
     target = node.get("reftarget", "")
-    if node.get("refdomain") != "py" or not target.startswith("jaxckpt._"):
+    if node.get("refdomain") != "py" or not _internal(target):
         return None
     if node["reftype"] == "mod":
         return nodes.literal(target, target)
@@ -100,7 +105,7 @@ def _docstring(app, what, name, obj, options, lines):
     if what != "data" or not name.startswith("jaxckpt."):
         return
     attr = name.rpartition(".")[2]
-    for module in sorted(m for m in sys.modules if m.startswith("jaxckpt._")):
+    for module in sorted(m for m in sys.modules if _internal(m)):
         try:
             comment = ModuleAnalyzer.for_module(module).find_attr_docs().get(("", attr))
         except PycodeError:  # a module without source

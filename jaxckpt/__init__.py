@@ -8,8 +8,6 @@ path = ckpt.save("ckpts/ckpt")
 ckpt.restore(path).assert_consumed()
 """
 
-from jaxckpt._checkpoint import Checkpoint, save, wait_until_finished
-from jaxckpt._checkpoint_manager import CheckpointManager
 from jaxckpt._errors import (
     CheckpointCorruptedError,
     CheckpointExistsError,
@@ -27,14 +25,17 @@ from jaxckpt._errors import (
     UnsupportedVersionError,
     UnusedValuesWarning,
 )
-from jaxckpt._format import FORMAT_VERSION
-from jaxckpt._inspect import CheckpointView, ManagerView, inspect
-from jaxckpt._open import latest_checkpoint
-from jaxckpt._policies import CheckpointInfo, KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
-from jaxckpt._preemption import PreemptionHandler
-from jaxckpt._restore import RestoreStatus, list_variables, load_variable, restore
-from jaxckpt._slots import SlotReport, restore_slots
 from jaxckpt._version import __version__ as __version__
+from jaxckpt.checkpoint.checkpoint import Checkpoint, save, wait_until_finished
+from jaxckpt.checkpoint.restore import RestoreStatus, list_variables, load_variable, restore
+from jaxckpt.checkpoint.slots import SlotReport, restore_slots
+from jaxckpt.format.records import FORMAT_VERSION
+from jaxckpt.manager.checkpoint_manager import CheckpointManager
+from jaxckpt.manager.policies import KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
+from jaxckpt.manager.preemption import PreemptionHandler
+from jaxckpt.reading.open import latest_checkpoint
+from jaxckpt.storage.statefile import CheckpointInfo
+from jaxckpt.tools.inspect import CheckpointView, ManagerView, inspect
 
 __all__ = [
     "FORMAT_VERSION",

@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxckpt._cli import main
+from jaxckpt.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

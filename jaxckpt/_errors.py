@@ -16,10 +16,16 @@
 
 and one warning, UnusedValuesWarning (a UserWarning): a restore left checkpoint values unused.
 
-Messages name the key, what was expected, what was found, and what to do.
+Messages name the key, what was expected, what was found, and what to do. A warning points at the
+user's line: :func:`caller_level`, the first frame outside jaxckpt however many of its frames lie
+between (a manager passes each call on to its part, a two-tier part to its local tier).
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from types import FrameType
 
 
 class JaxckptError(Exception):
@@ -96,3 +102,21 @@ class RestoreAssertionError(JaxckptError, AssertionError):
 
 class UnusedValuesWarning(UserWarning):
     """A restore left checkpoint values unused and ``expect_partial()`` was not called."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def caller_level() -> int:
+    """The ``stacklevel`` for ``warnings.warn``, called where it is called, of the first frame
+    outside jaxckpt: ``warnings.warn(message, stacklevel=caller_level())``."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and _inside(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _inside(filename: str) -> bool:
+    folder = os.path.dirname(os.path.abspath(filename))
+    return folder == _PACKAGE or folder.startswith(_PACKAGE + os.sep)

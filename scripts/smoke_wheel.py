@@ -119,8 +119,8 @@ def run_cli(*args) -> str:
 def check_no_extra_needed(golden: Path):
     """jaxckpt and its command import neither flax nor optax: they work without the flax extra."""
     code = (
-        "import sys, jaxckpt, jaxckpt._cli\n"
-        f"assert jaxckpt._cli.main(['ls', {str(golden / 'v2')!r}]) == 0\n"
+        "import sys, jaxckpt, jaxckpt.tools.cli\n"
+        f"assert jaxckpt.tools.cli.main(['ls', {str(golden / 'v2')!r}]) == 0\n"
         "jaxckpt.restore(" + repr(str(golden / "v2")) + ")\n"
         "extras = sorted({m.split('.')[0] for m in sys.modules} & {'flax', 'optax'})\n"
         "assert not extras, extras\n"
@@ -140,7 +140,7 @@ def check_golden(golden: Path):
     versions = sorted(golden.glob("v*"))
     # Every version a single folder shows: version 6 adds references between a bucket manager's
     # checkpoints (tests/test_bucket_incremental.py), and a plain save still writes PLAIN_VERSION.
-    from jaxckpt._format import PLAIN_VERSION
+    from jaxckpt.format.records import PLAIN_VERSION
 
     check([v.name for v in versions] == [f"v{i}" for i in range(1, PLAIN_VERSION + 1)], f"{versions}")
     for folder in versions:
@@ -155,7 +155,7 @@ def check_golden(golden: Path):
 
 
 def check_foreign(foreign: Path):
-    """Other libraries' checkpoints read from the installed wheel (its jaxckpt._formats package)."""
+    """Other libraries' checkpoints read from the installed wheel (its jaxckpt.interop.formats package)."""
     import jaxckpt
 
     check(jaxckpt.load_variable(foreign / "tf/tf2/tf_ckpts", "step") == 50, "the TF2 guide checkpoint's step")

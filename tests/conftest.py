@@ -19,21 +19,21 @@ jax.config.update("jax_enable_x64", False)
 @pytest.fixture
 def small_packs(monkeypatch):
     """Store every array leaf as its own zarr3 array, so tests cover that path as well as packing."""
-    from jaxckpt import _tensorstore
+    from jaxckpt.arrays import store_write
 
-    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
-    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", -1)
+    monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", -1)
+    monkeypatch.setattr(store_write, "BUCKET_PACK_LEAF_LIMIT", -1)
 
 
 @pytest.fixture
 def local_packing(monkeypatch):
     """Object stores pack only the leaves that local disks pack (1 MiB), in packs of the same size, and
     write arrays in device shards, so that their layouts compare."""
-    from jaxckpt import _tensorstore
+    from jaxckpt.arrays import store_write
 
-    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", _tensorstore.PACK_LEAF_LIMIT)
-    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_MIN_BYTES", 0)
-    monkeypatch.setattr(_tensorstore, "pack_target", lambda data_bytes, largest: _tensorstore.PACK_TARGET_BYTES)
+    monkeypatch.setattr(store_write, "BUCKET_PACK_LEAF_LIMIT", store_write.PACK_LEAF_LIMIT)
+    monkeypatch.setattr(store_write, "BUCKET_PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(store_write, "pack_target", lambda data_bytes, largest: store_write.PACK_TARGET_BYTES)
 
 
 @pytest.fixture
@@ -47,11 +47,11 @@ def stress_scale() -> int:
 def small_inner_chunks(monkeypatch):
     """Inner chunks of at most 1 KiB (the format's limit is 8 MiB): several per shard, cheaply; leaves
     over 1 KiB have their own array."""
-    from jaxckpt import _tensorstore, _zarr_meta
+    from jaxckpt.arrays import store_write, zarr_meta
 
-    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 1024)
-    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 1024)
-    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", 1024)
+    monkeypatch.setattr(zarr_meta, "INNER_CHUNK_LIMIT", 1024)
+    monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", 1024)
+    monkeypatch.setattr(store_write, "BUCKET_PACK_LEAF_LIMIT", 1024)
 
 
 # --- bucket servers on loopback: S3 (moto) for s3://, a GCS emulator for gs:// ---------------------
@@ -81,7 +81,7 @@ def gcs_session_proxy():
     """A GCS emulator on loopback behind a :class:`bucket_proxy.BucketProxy` (recording, and faulting
     on demand), both started once per test process, stopped at the end. Every gs:// request of the
     process goes through this proxy: TensorStore keeps the first GCS endpoint of a process (see
-    jaxckpt._storage), so a test cannot put a proxy of its own in front of the emulator. Its
+    jaxckpt.storage.locations), so a test cannot put a proxy of its own in front of the emulator. Its
     ``upstream`` is the emulator itself, for subprocesses (which may use any endpoint)."""
     pytest.importorskip("gcp_storage_emulator")
     proc, env = gcs_emulator.start(BUCKET)
@@ -97,7 +97,7 @@ def gcs_session_proxy():
 def gcs_server(gcs_session_proxy):
     """The environment that points jaxckpt at the GCS emulator (through the session's proxy), set in
     ``os.environ`` for the whole session, not per test: TensorStore keeps the first GCS endpoint of a
-    process (see jaxckpt._storage)."""
+    process (see jaxckpt.storage.locations)."""
     env = {"STORAGE_EMULATOR_HOST": gcs_session_proxy.endpoint}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -137,15 +137,15 @@ def bucket(request, monkeypatch):
 @pytest.fixture
 def held_background(monkeypatch):
     """The background part of a save waits for ``gate``: the caller's state can change meanwhile."""
-    from jaxckpt import _save
+    from jaxckpt.saving import pipeline
 
     gate = threading.Event()
-    real = _save.write_and_publish
+    real = pipeline.write_and_publish
 
     def gated(prepared):
         assert gate.wait(60), "the test never released the background save"
         return real(prepared)
 
-    monkeypatch.setattr(_save, "write_and_publish", gated)
+    monkeypatch.setattr(pipeline, "write_and_publish", gated)
     yield gate
     gate.set()

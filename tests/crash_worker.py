@@ -23,7 +23,7 @@ HOOK makes the process SIGKILL itself at an exact instant, the I-th time it gets
   inside a checkpoint's prefix (retention deleting, or pruning shared data it holds for kept ones).
 
 In a bucket (``s3://...``), leaves over 1 MiB are arrays of their own, so that the frozen ones are
-stored by reference (jaxckpt._refs) rather than packed.
+stored by reference (jaxckpt.incremental.refs) rather than packed.
 
 Without a hook the test kills it at a random instant. Lines on stdout tell the test where it is:
 ``ready`` (imported), ``resumed STEP LISTING`` (manager open and restored; LISTING is the directory
@@ -86,7 +86,9 @@ def _die() -> None:
 
 def install_hook(hook: str, at: int, rng: random.Random) -> None:
     """Make the process kill itself at the ``at``-th arrival at the instant ``hook`` names."""
-    from jaxckpt import _manager, _retention, _storage
+    from jaxckpt.manager import one_tier
+    from jaxckpt.manager import retention as _retention
+    from jaxckpt.storage import locations
 
     seen = {"n": 0}
 
@@ -106,9 +108,9 @@ def install_hook(hook: str, at: int, rng: random.Random) -> None:
         os.link = link_then_die
         return
     if hook == "bucket-delete":
-        from jaxckpt import _kvstore
+        from jaxckpt.storage import kvstore
 
-        real_kv_delete, real_kv_delete_all, at = _kvstore.kv_delete, _kvstore.kv_delete_all, rng.randint(1, 6)
+        real_kv_delete, real_kv_delete_all, at = kvstore.kv_delete, kvstore.kv_delete_all, rng.randint(1, 6)
 
         def counted(call):
             def delete_then_die(base, *key):
@@ -120,7 +122,7 @@ def install_hook(hook: str, at: int, rng: random.Random) -> None:
 
             return delete_then_die
 
-        _kvstore.kv_delete, _kvstore.kv_delete_all = counted(real_kv_delete), counted(real_kv_delete_all)
+        kvstore.kv_delete, kvstore.kv_delete_all = counted(real_kv_delete), counted(real_kv_delete_all)
         return
     if hook == "retention":
         real_delete = _retention._delete_renamed
@@ -136,8 +138,8 @@ def install_hook(hook: str, at: int, rng: random.Random) -> None:
         _retention._delete_renamed = delete_part_then_die
         return
 
-    real_write, real_fsync_dir = _storage.write_durable, _storage.fsync_dir
-    state_tmp = f".{_manager.STATE_FILE}.tmp-"  # see _storage.write_file_atomic
+    real_write, real_fsync_dir = locations.write_durable, locations.fsync_dir
+    state_tmp = f".{one_tier.STATE_FILE}.tmp-"  # see locations.write_file_atomic
     renaming = {"now": False}
 
     def write(path, data):
@@ -157,7 +159,7 @@ def install_hook(hook: str, at: int, rng: random.Random) -> None:
         if renaming["now"]:
             _die()
 
-    _storage.write_durable, _storage.fsync_dir = write, fsync_dir
+    locations.write_durable, locations.fsync_dir = write, fsync_dir
 
 
 def main() -> None:
@@ -180,10 +182,11 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxckpt
-    from jaxckpt import _storage, _tensorstore
+    from jaxckpt.arrays import store_write
+    from jaxckpt.storage import locations
 
     if args.directory.startswith(("s3://", "gs://")):
-        _tensorstore.BUCKET_PACK_LEAF_LIMIT = 1 << 20
+        store_write.BUCKET_PACK_LEAF_LIMIT = 1 << 20
     if args.hook != "none":
         install_hook(args.hook, args.hook_at, random.Random(args.seed))
     print("ready", flush=True)
@@ -208,7 +211,7 @@ def main() -> None:
     manager = jaxckpt.CheckpointManager(ckpt, args.directory, max_to_keep=args.keep, step_counter="step")
     manager.restore_or_initialize()
     step = int(ckpt.step)
-    print("resumed", step, json.dumps(_storage.children(_storage.location(args.directory))), flush=True)
+    print("resumed", step, json.dumps(locations.children(locations.location(args.directory))), flush=True)
     for _ in range(args.steps):
         step += 1
         ckpt.params = params(step, ckpt.params)

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxckpt  # noqa: E402
-from jaxckpt import _tensorstore  # noqa: E402
+from jaxckpt.arrays import store_write  # noqa: E402
 
 mesh_shape = tuple(int(d) for d in mesh_text.split("x"))
 mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("x", "y"))
@@ -72,9 +72,9 @@ def check(restored):
 
 def fail_first_snapshot_on_process_1() -> None:
     """Process 1's first save fails while snapshotting, before it takes the save's token."""
-    from jaxckpt import _save
+    from jaxckpt.saving import pipeline
 
-    real_prepare, calls = _save.prepare, []
+    real_prepare, calls = pipeline.prepare, []
 
     def prepare_or_fail(*args, **kwargs):
         calls.append(1)
@@ -82,35 +82,35 @@ def fail_first_snapshot_on_process_1() -> None:
             raise RuntimeError("process 1 cannot snapshot")
         return real_prepare(*args, **kwargs)
 
-    _save.prepare = prepare_or_fail
+    pipeline.prepare = prepare_or_fail
 
 
 if mode == "save":
     jaxckpt.Checkpoint(state=state()).write(path)
 elif mode == "save-then-die":
-    real_flush = _tensorstore.Writer.flush
+    real_flush = store_write.Writer.flush
 
     def flush_then_die(self):
         real_flush(self)
         if pid == 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    _tensorstore.Writer.flush = flush_then_die
+    store_write.Writer.flush = flush_then_die
     try:
         jaxckpt.Checkpoint(state=state()).write(path)
     except Exception as e:  # process 0 cannot finish without process 1: it must fail, not publish
         print(f"save failed as expected: {type(e).__name__}", flush=True)
         os._exit(3)
 elif mode == "restore":
-    from jaxckpt import _reader
+    from jaxckpt.reading import reader
 
-    opened, real_init = [], _reader.Opened.__init__
+    opened, real_init = [], reader.Opened.__init__
 
     def init_and_remember(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         opened.append(self)
 
-    _reader.Opened.__init__ = init_and_remember
+    reader.Opened.__init__ = init_and_remember
     template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k)) for k, v in VALUES.items()}
     ckpt = jaxckpt.Checkpoint(state={**template, "step": 0})
     ckpt.restore(path).assert_consumed()
@@ -242,16 +242,16 @@ elif mode in ("iterator-save", "iterator-restore", "iterator-tiers"):  # each pr
         jaxckpt.Checkpoint(data=data).restore(os.path.join(path, "ckpt-2"))
         assert data.position == 10 * (pid + 1) + 1, data.position
 elif mode == "manager-start-fail":  # process 1's manager fails to start; process 0's must not wait for it
-    from jaxckpt import _startup
+    from jaxckpt.manager import startup
 
-    real_take_over = _startup.take_over
+    real_take_over = startup.take_over
 
     def take_over_or_fail(*args, **kwargs):
         if pid == 1:
             raise OSError("process 1 lost its disk")
         return real_take_over(*args, **kwargs)
 
-    _startup.take_over = take_over_or_fail
+    startup.take_over = take_over_or_fail
     try:
         jaxckpt.CheckpointManager(jaxckpt.Checkpoint(state=state()), path, max_to_keep=1)
     except Exception as e:
@@ -261,17 +261,17 @@ elif mode == "manager-start-fail":  # process 1's manager fails to start; proces
         raise AssertionError("the manager started although process 1's did not")
     # A read-only manager needs no other process: process 0 alone may open one (to list, to restore).
     if pid == 0:
-        _startup.take_over = real_take_over
+        startup.take_over = real_take_over
         jaxckpt.CheckpointManager(jaxckpt.Checkpoint(state=state()), path, read_only=True).close()
 elif mode == "agree-alone":  # process 1 never joins process 0's agreement (JAXCKPT_BARRIER_TIMEOUT_S is short)
     from jax._src import distributed
 
-    from jaxckpt import _multihost
+    from jaxckpt.runtime import multihost
 
     client = distributed.global_state.client
     if pid == 0:
         try:
-            _multihost.gather("alone", "1")
+            multihost.gather("alone", "1")
         except jaxckpt.JaxckptError as e:
             assert "at the agreement 'alone' for process 1" in str(e), e
         else:
@@ -285,10 +285,12 @@ elif mode == "tiers-start":  # process 0 takes over the durable folder while pro
     # must never write there (process 0 owns it): it then fails, and its restores are never agreed.
     from jax._src import distributed
 
-    from jaxckpt import _multihost, _startup, _storage
+    from jaxckpt.manager import startup
+    from jaxckpt.runtime import multihost
+    from jaxckpt.storage import locations
 
     client, durable = distributed.global_state.client, os.path.join(path, "durable")
-    real_write, real_take_over, signalled = _storage.write_durable, _startup.take_over, []
+    real_write, real_take_over, signalled = locations.write_durable, startup.take_over, []
 
     def signal_once():
         if not signalled:
@@ -314,12 +316,12 @@ elif mode == "tiers-start":  # process 0 takes over the durable folder while pro
         signal_once()
         real_started(what, error)
 
-    real_started = _multihost.started
+    real_started = multihost.started
     if pid == 1:
-        _storage.write_durable = write_then_wait
-        _multihost.started = signal_then_agree
+        locations.write_durable = write_then_wait
+        multihost.started = signal_then_agree
     else:
-        _startup.take_over = wait_then_take_over
+        startup.take_over = wait_then_take_over
     ckpt = jaxckpt.Checkpoint(state=state())
     local = os.path.join(path, f"local-{pid}")
     with jaxckpt.CheckpointManager(ckpt, durable, local_directory=local) as manager:

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _tensorstore
+from jaxckpt.arrays import store_write
 
 
 def sharded_state(seed=0):
@@ -60,14 +60,14 @@ def test_a_save_waits_for_the_previous_one(tmp_path):
 
 
 def test_background_errors_surface_on_the_next_call_and_on_wait(tmp_path, monkeypatch):
-    real_flush = _tensorstore.Writer.flush
+    real_flush = store_write.Writer.flush
     release = threading.Event()
 
     def failing_flush(self):
         release.wait()
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(_tensorstore.Writer, "flush", failing_flush)
+    monkeypatch.setattr(store_write.Writer, "flush", failing_flush)
     ckpt = jaxckpt.Checkpoint(state=sharded_state())
     path = ckpt.save(tmp_path / "ckpt", blocking=False)
     release.set()
@@ -79,7 +79,7 @@ def test_background_errors_surface_on_the_next_call_and_on_wait(tmp_path, monkey
     path = ckpt.save(tmp_path / "ckpt", blocking=False)
     with pytest.raises(OSError, match="No space left"):
         ckpt.wait_until_finished()
-    monkeypatch.setattr(_tensorstore.Writer, "flush", real_flush)
+    monkeypatch.setattr(store_write.Writer, "flush", real_flush)
     path = ckpt.save(tmp_path / "ckpt", blocking=False)  # space is back: saving works again
     ckpt.wait_until_finished()
     assert jaxckpt.restore(path)["save_counter"] == ckpt.save_counter
@@ -108,7 +108,7 @@ def test_manager_background_failure_leaves_the_state_file_as_it_was(tmp_path, mo
     def failing_flush(self):
         raise OSError("disk full")
 
-    monkeypatch.setattr(_tensorstore.Writer, "flush", failing_flush)
+    monkeypatch.setattr(store_write.Writer, "flush", failing_flush)
     manager.save()
     with pytest.raises(OSError, match="disk full"):
         manager.wait_until_finished()
@@ -142,10 +142,10 @@ def test_failed_save_at_exit_is_reported(tmp_path):
     proc = _run(
         f"""
         import numpy as np, jaxckpt
-        from jaxckpt import _tensorstore
+        from jaxckpt.arrays import store_write
         def fail(self):
             raise OSError("disk full at exit")
-        _tensorstore.Writer.flush = fail
+        store_write.Writer.flush = fail
         jaxckpt.save({str(tmp_path / "c")!r}, {{"x": np.ones(3)}}, blocking=False)
         """
     )
@@ -177,10 +177,10 @@ def test_host_memory_stays_within_the_budget(tmp_path):
 
 def test_the_caller_only_snapshots_records_packs_and_index_are_made_in_the_background(tmp_path, monkeypatch):
     """Issue 14: the per-leaf work (records, packing with its CRC-32s, the index) is not the caller's."""
-    from jaxckpt import _save
+    from jaxckpt.saving import pipeline
 
     threads = {"pack": set(), "index": set()}
-    real_add, real_index = _save._Packer.add, _save.Index
+    real_add, real_index = pipeline._Packer.add, pipeline.Index
 
     def add(self, data):
         threads["pack"].add(threading.current_thread())
@@ -190,8 +190,8 @@ def test_the_caller_only_snapshots_records_packs_and_index_are_made_in_the_backg
         threads["index"].add(threading.current_thread())
         return real_index(*args, **kwargs)
 
-    monkeypatch.setattr(_save._Packer, "add", add)
-    monkeypatch.setattr(_save, "Index", index)
+    monkeypatch.setattr(pipeline._Packer, "add", add)
+    monkeypatch.setattr(pipeline, "Index", index)
     one = jax.devices()[0]
     tree = {f"l{i}": jax.device_put(np.full((3, 4), i, np.float32), one) for i in range(50)}
     tree["host"] = np.arange(10.0)
@@ -296,7 +296,7 @@ def test_the_background_holds_the_callers_data_not_its_arrays(tmp_path, held_bac
 def released_by_reads(held_background, monkeypatch):
     """The held background save is let go when a read starts waiting for saves in flight; a read
     that does not wait finds no checkpoint there (the save has not written anything)."""
-    from jaxckpt import _async
+    from jaxckpt.runtime import background as _async
 
     real = _async.settle_writes
 
@@ -339,12 +339,12 @@ def test_restoring_a_managers_directory_waits_for_its_save_in_flight(tmp_path, r
 
 
 def test_a_failed_save_in_flight_is_named_by_the_read_and_still_raised_by_its_owner(tmp_path, monkeypatch):
-    from jaxckpt import _save
+    from jaxckpt.saving import pipeline
 
     def broken(prepared):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(_save, "write_and_publish", broken)
+    monkeypatch.setattr(pipeline, "write_and_publish", broken)
     ckpt = jaxckpt.Checkpoint(w=jnp.zeros(3))
     path = ckpt.save(tmp_path / "ckpt", blocking=False)
     with pytest.raises(

@@ -4,7 +4,7 @@ Every inner chunk of format 4 carries its own CRC-32C, which proves its bytes in
 they belong: two chunks swapped with their checksums, shard files swapped between two arrays of one
 shape, or a shard copied from an older checkpoint would read as other values. From format version 5
 each data store lists the CRC-32C of every inner chunk of its shards in position order, for the save
-that its index names (``jaxckpt._checksums``), so each of these is damage that restores and
+that its index names (``jaxckpt.arrays.checksums``), so each of these is damage that restores and
 ``verify`` report, naming the value.
 """
 
@@ -22,9 +22,11 @@ from test_data_safety import _write_index
 from test_zarr_local import _CRC, _ENTRY, _entries, _folder, _index, _refused, _saved, _shards, _write_entries
 
 import jaxckpt
-from jaxckpt import _kvstore, _storage, _verify, _zarr_local
-from jaxckpt._checked_json import canonical_json
-from jaxckpt._reader import Opened
+from jaxckpt.arrays import zarr_local
+from jaxckpt.format.checked_json import canonical_json
+from jaxckpt.reading.reader import Opened
+from jaxckpt.storage import kvstore, locations
+from jaxckpt.tools import verify as _verify
 
 
 def _swap_chunk_bytes(shard: Path, a: int, b: int) -> None:
@@ -94,7 +96,7 @@ def test_each_data_store_records_a_checksum_per_inner_chunk_in_order_for_the_sav
     at = _index(path)["leaves"]["w"]["at"]
     values = np.ascontiguousarray(tree["w"])
     rows = len(values) // 4
-    expected = [_zarr_local.crc32c_of(memoryview(values[i * rows : (i + 1) * rows]).cast("B")) for i in range(4)]
+    expected = [zarr_local.crc32c_of(memoryview(values[i * rows : (i + 1) * rows]).cast("B")) for i in range(4)]
     sums = json.loads((path / "data" / "checksums.json").read_bytes())
     assert sums["arrays"][at["array"]] == {"0": expected}
     assert sums["save"] == _index(path)["save"] and _index(path)["version"] >= 5
@@ -175,11 +177,11 @@ def test_shards_swapped_in_a_bucket_are_refused(s3, small_inner_chunks):
     jaxckpt.save(path, tree)
     for key, value in tree.items():  # intact: read back
         np.testing.assert_array_equal(jaxckpt.load_variable(path, key), value)
-    data = _storage.location(path) / "data"
+    data = locations.location(path) / "data"
     arrays = {k: _index_of_bucket(path)["leaves"][k]["at"]["array"] for k in tree}
-    sa, sb = (_kvstore.kv_read(data.spec(), f"{arrays[k]}/c/0/0") for k in ("a", "b"))
-    _kvstore.kv_write(data.spec(), f"{arrays['a']}/c/0/0", sb)
-    _kvstore.kv_write(data.spec(), f"{arrays['b']}/c/0/0", sa)
+    sa, sb = (kvstore.kv_read(data.spec(), f"{arrays[k]}/c/0/0") for k in ("a", "b"))
+    kvstore.kv_write(data.spec(), f"{arrays['a']}/c/0/0", sb)
+    kvstore.kv_write(data.spec(), f"{arrays['b']}/c/0/0", sa)
     for key in tree:
         with pytest.raises(jaxckpt.CheckpointCorruptedError, match=rf"'{key}'.*not the data the index records"):
             jaxckpt.load_variable(path, key)
@@ -187,4 +189,4 @@ def test_shards_swapped_in_a_bucket_are_refused(s3, small_inner_chunks):
 
 
 def _index_of_bucket(path: str) -> dict:
-    return json.loads(_storage.read_index_bytes(_storage.location(path)))
+    return json.loads(locations.read_index_bytes(locations.location(path)))

@@ -27,7 +27,7 @@ from bucket_proxy import BucketProxy
 from conftest import BUCKET
 
 import jaxckpt
-from jaxckpt import _kvstore, _storage
+from jaxckpt.storage import kvstore, locations
 
 # Generous: a subprocess imports jax (seconds) and then fails within its short deadline; this only
 # turns a hang into a failure.
@@ -58,7 +58,7 @@ def _gs(request: pytest.FixtureRequest) -> Server:
     """TensorStore keeps one GCS endpoint per process: this process reaches the emulator through the
     session's proxy (conftest's ``gcs_proxy``) alone. A fresh process is given only
     ``STORAGE_EMULATOR_HOST``, as a user would; jaxckpt sets TensorStore's endpoint and placeholder
-    token from it (jaxckpt._storage), so the ones this process has are unset."""
+    token from it (jaxckpt.storage.locations), so the ones this process has are unset."""
     proxy = request.getfixturevalue("gcs_proxy")
     unset: dict[str, str | None] = {"TENSORSTORE_GCS_HTTP_URL": None, "GOOGLE_AUTH_TOKEN_FOR_TESTING": None}
     return Server("gs", BUCKET, proxy.upstream, lambda endpoint: {**unset, "STORAGE_EMULATOR_HOST": endpoint},
@@ -100,7 +100,7 @@ def through_proxy(server: Server, proxy: BucketProxy, monkeypatch: pytest.Monkey
                 monkeypatch.delenv(k, raising=False)
             else:
                 monkeypatch.setenv(k, v)
-    monkeypatch.setattr(_kvstore, "_MADE", None)  # a context of its own, with this test's settings
+    monkeypatch.setattr(kvstore, "_MADE", None)  # a context of its own, with this test's settings
     return f"{server.scheme}://{server.bucket}/{request.node.name.replace('[', '-').rstrip(']')}"
 
 
@@ -151,7 +151,7 @@ def test_transient_faults_are_retried_and_checkpoints_stay_whole(through_proxy, 
     proxy.faults = None
     proxy.clear()
     _assert_same(jaxckpt.restore(path), tree)  # what was stored is whole, read without faults too
-    assert _storage.children(_storage.location(through_proxy)) == ["c"]  # a listing works too
+    assert locations.children(locations.location(through_proxy)) == ["c"]  # a listing works too
 
 
 def test_a_manager_saves_and_retains_through_faults(through_proxy, proxy):
@@ -164,7 +164,7 @@ def test_a_manager_saves_and_retains_through_faults(through_proxy, proxy):
         assert [c.rsplit("/", 1)[-1] for c in manager.checkpoints] == ["ckpt-2", "ckpt-3"]
     assert proxy.faulted
     proxy.faults = None
-    assert _storage.children(_storage.location(f"{through_proxy}/run")) == ["checkpoint", "ckpt-2", "ckpt-3"]
+    assert locations.children(locations.location(f"{through_proxy}/run")) == ["checkpoint", "ckpt-2", "ckpt-3"]
     assert jaxckpt.restore(f"{through_proxy}/run/ckpt-3")["w"].tolist() == [3.0] * 1000
 
 
@@ -193,7 +193,7 @@ _STEPS = textwrap.dedent(
     import contextlib, io, json, sys
     import numpy as np
     import jaxckpt
-    from jaxckpt import _cli
+    from jaxckpt.tools import cli as _cli
 
 
     def ls(prefix):  # the command line prints its error: returned as the exception's message
@@ -317,9 +317,9 @@ def test_the_deadline_setting_is_checked():
     for bad in ("0", "-1", "soon", "nan"):
         env = {"JAXCKPT_BUCKET_TIMEOUT": bad}
         with pytest.raises(ValueError, match="JAXCKPT_BUCKET_TIMEOUT"):
-            _kvstore.settings(env)
-    assert _kvstore.settings({}).timeout == 60
-    assert _kvstore.settings({"JAXCKPT_BUCKET_TIMEOUT": "2.5"}).timeout == 2.5
+            kvstore.settings(env)
+    assert kvstore.settings({}).timeout == 60
+    assert kvstore.settings({"JAXCKPT_BUCKET_TIMEOUT": "2.5"}).timeout == 2.5
 
 
 # --- (d) invalid bucket names: refused before any request ----------------------------------------
@@ -349,7 +349,7 @@ def test_the_deadline_setting_is_checked():
 )
 def test_invalid_bucket_names_are_refused_naming_the_rule(url, rule):
     with pytest.raises(jaxckpt.UnsupportedValueError, match=rule):
-        _storage.location(url)
+        locations.location(url)
     with pytest.raises(jaxckpt.UnsupportedValueError, match=rule):
         jaxckpt.restore(url)  # at the public call, before any request: not reported as damage
 
@@ -365,7 +365,7 @@ def test_invalid_bucket_names_are_refused_naming_the_rule(url, rule):
     ],
 )
 def test_valid_bucket_names_are_taken(url):
-    assert _storage.location(url).spec()["bucket"] == url.split("/")[2]
+    assert locations.location(url).spec()["bucket"] == url.split("/")[2]
 
 
 # --- (e) quiet: nothing from TensorStore's logging on stderr -------------------------------------
@@ -375,7 +375,7 @@ _QUIET = textwrap.dedent(
     import sys
     import numpy as np
     import jaxckpt
-    from jaxckpt import _cli
+    from jaxckpt.tools import cli as _cli
     prefix = sys.argv[1]
     path = jaxckpt.save(prefix + "/one", {"w": np.arange(100_000.0), "b": np.ones(3), "step": 1})
     assert jaxckpt.restore(path)["step"] == 1

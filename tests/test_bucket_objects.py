@@ -15,13 +15,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _storage, _tensorstore
+from jaxckpt.arrays import store_write
+from jaxckpt.storage import locations
 
 MiB = 1 << 20
 
 
 def _objects(path: str) -> list[str]:
-    kv = ts.KvStore.open(_storage.location(path).spec(), context=_tensorstore._context()).result()
+    kv = ts.KvStore.open(locations.location(path).spec(), context=store_write._context()).result()
     return sorted(k.decode() for k in kv.list().result())
 
 
@@ -128,7 +129,7 @@ def test_arrays_sharded_over_8_devices_of_one_process_are_packed(bucket):
 
 
 def test_a_leaf_over_the_bucket_limit_is_an_array_of_its_own(monkeypatch):
-    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", 1 * MiB)
+    monkeypatch.setattr(store_write, "BUCKET_PACK_LEAF_LIMIT", 1 * MiB)
     tree = {"small": np.arange(1000, dtype=np.float32), "large": np.arange(1 << 19, dtype=np.float64)}
     path = jaxckpt.save("memory://bucket-objects/over-the-limit", tree)
     assert _objects(path) == [
@@ -156,9 +157,9 @@ def test_pack_buffers_are_made_as_they_are_written(monkeypatch, s3):
     """A pack's buffer on an object store exists only while it is written: a save of 8 packs holds
     about the bytes in flight, not a copy of every pack at once. (On s3://: a memory:// store keeps
     the buffers written as its values.)"""
-    monkeypatch.setattr(_tensorstore, "WRITE_AHEAD_BYTES", 16 * MiB)
-    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_MIN_BYTES", 16 * MiB)
-    monkeypatch.setattr(_tensorstore, "PACK_TARGET_BYTES", 16 * MiB)
+    monkeypatch.setattr(store_write, "WRITE_AHEAD_BYTES", 16 * MiB)
+    monkeypatch.setattr(store_write, "BUCKET_PACK_MIN_BYTES", 16 * MiB)
+    monkeypatch.setattr(store_write, "PACK_TARGET_BYTES", 16 * MiB)
     # jax arrays on the CPU device: the snapshot takes views of their buffers, no copies.
     tree = {f"x{i}": jnp.full((4 * MiB,), i, jnp.float32) for i in range(8)}  # 8 x 16 MiB
     jax.block_until_ready(tree)
@@ -179,8 +180,8 @@ def test_pack_buffers_are_made_as_they_are_written(monkeypatch, s3):
 def test_large_arrays_sharded_over_8_devices_are_written_in_a_few_shards(bucket, monkeypatch):
     """Over the pack limit, an array that one process holds on 8 devices is written in blocks of
     several device shards of about 64 MiB (scaled down here: 1 MiB), not one object per device."""
-    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", 256 << 10)
-    monkeypatch.setattr(_tensorstore, "BUCKET_PACK_MIN_BYTES", 1 * MiB)
+    monkeypatch.setattr(store_write, "BUCKET_PACK_LEAF_LIMIT", 256 << 10)
+    monkeypatch.setattr(store_write, "BUCKET_PACK_MIN_BYTES", 1 * MiB)
     mesh = _mesh8()
     tree = {
         "xy": jax.device_put(

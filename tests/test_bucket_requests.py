@@ -30,7 +30,9 @@ from bucket_proxy import BucketProxy
 from conftest import BUCKET
 
 import jaxckpt
-from jaxckpt import _cli, _storage, _tensorstore
+from jaxckpt.arrays import store_write
+from jaxckpt.storage import locations
+from jaxckpt.tools import cli
 
 # scheme -> (the conftest fixture that starts its server and gives its environment, the variable
 # in that environment that names the endpoint, which a proxy of the test's own takes the place of);
@@ -55,7 +57,7 @@ class Bucket(NamedTuple):
 
     def keys(self) -> list[str]:
         """Every key under this test's prefix (listed without the proxy's counting)."""
-        kv = ts.KvStore.open(_storage.location(self.url).spec(), context=_tensorstore._context()).result()
+        kv = ts.KvStore.open(locations.location(self.url).spec(), context=store_write._context()).result()
         keys = [k.decode() for k in kv.list().result()]
         self.proxy.clear()
         return keys
@@ -161,7 +163,7 @@ def test_a_save_writes_each_object_once_and_reads_nothing_it_knows(bucket):
 
 def test_a_save_over_leftovers_lists_once_more_to_delete_them(bucket):
     """An interrupted save's leftovers are deleted first; the destination is still listed once to decide."""
-    kv = ts.KvStore.open(_storage.location(f"{bucket.url}/c").spec(), context=_tensorstore._context()).result()
+    kv = ts.KvStore.open(locations.location(f"{bucket.url}/c").spec(), context=store_write._context()).result()
     kv.write(".jaxckpt-save", b"left").result()
     kv.write("data/a/0/zarr.json", b"{}").result()
     bucket.proxy.clear()
@@ -186,7 +188,7 @@ def _manager_run(bucket: Bucket, base: str | None = None) -> str:
 
 def test_ls_of_a_run_reads_its_state_file_once_and_each_index_once(bucket, capsys):
     run = _manager_run(bucket)
-    assert _cli.main(["ls", run]) == 0
+    assert cli.main(["ls", run]) == 0
     out = capsys.readouterr().out
     expected = Counter(
         {
@@ -207,7 +209,7 @@ def test_ls_of_a_run_reads_its_state_file_once_and_each_index_once(bucket, capsy
 def test_ls_of_a_checkpoint_reads_its_index_once(bucket, capsys):
     path = jaxckpt.save(f"{bucket.url}/c", TREE)
     bucket.proxy.clear()
-    assert _cli.main(["ls", path]) == 0
+    assert cli.main(["ls", path]) == 0
     assert bucket.requests() == [("GET", "c/index.json")] * BOUNDED_READ
     assert "w" in capsys.readouterr().out
 
@@ -216,14 +218,14 @@ def test_ls_of_a_checkpoint_reads_its_index_once(bucket, capsys):
 def test_show_and_verify_read_the_index_once(bucket, capsys):
     path = jaxckpt.save(f"{bucket.url}/c", TREE)
     data = _data_objects(bucket.keys(), "c/")
-    assert _cli.main(["verify", path]) == 0
+    assert cli.main(["verify", path]) == 0
     expected = Counter({("GET", "c/index.json"): BOUNDED_READ, ("GET", "c/data/checksums.json"): BOUNDED_READ})
     expected.update(("GET", f"c/{key}") for key in data)
     # verify also reads each array's and pack's zarr.json: what TensorStore and zarr-python read.
     expected.update(("GET", f"c/{key.split('/c/')[0]}/zarr.json") for key in data)
     assert _reads(bucket.requests()) == expected
     bucket.proxy.clear()
-    assert _cli.main(["show", path, "step"]) == 0
+    assert cli.main(["show", path, "step"]) == 0
     assert bucket.requests() == [("GET", "c/index.json")] * BOUNDED_READ  # a Python value: the index alone
     capsys.readouterr()
 
@@ -269,16 +271,16 @@ def test_a_manager_starts_and_restores_with_few_requests(bucket):
 
 @pytest.fixture
 def parses(monkeypatch):
-    """How many times _storage.location parsed a path (a Location passed on is returned as it is)."""
-    real = _storage.location
+    """How many times locations.location parsed a path (a Location passed on is returned as it is)."""
+    real = locations.location
     parsed: list[str] = []
 
     def counting(path):
-        if not isinstance(path, _storage.Location):
+        if not isinstance(path, locations.Location):
             parsed.append(str(path))
         return real(path)
 
-    monkeypatch.setattr(_storage, "location", counting)
+    monkeypatch.setattr(locations, "location", counting)
     return parsed
 
 
@@ -296,8 +298,8 @@ def test_a_path_becomes_a_location_once_per_public_call(bucket, tmp_path, parses
         "latest_checkpoint": lambda: jaxckpt.latest_checkpoint(run),
         "inspect": lambda: jaxckpt.inspect(f"{base}/c"),
         "inspect a run": lambda: jaxckpt.inspect(run),
-        "ls": lambda: _cli.main(["ls", f"{base}/c"]),
-        "ls a run": lambda: _cli.main(["ls", run]),
+        "ls": lambda: cli.main(["ls", f"{base}/c"]),
+        "ls a run": lambda: cli.main(["ls", run]),
         "Checkpoint.restore": lambda: jaxckpt.Checkpoint(step=0, w=np.zeros(1000, np.float32)).restore(f"{run}/ckpt-2"),
     }
     for name, call in calls.items():
@@ -311,14 +313,14 @@ def test_a_path_becomes_a_location_once_per_public_call(bucket, tmp_path, parses
 
 
 def _array_of(bucket: Bucket, path: str, key: str) -> str:
-    index = json.loads(_storage.read_index_bytes(_storage.location(path)))
+    index = json.loads(locations.read_index_bytes(locations.location(path)))
     return index["leaves"][key]["at"]["array"]
 
 
 @pytest.mark.usefixtures("local_packing")  # arrays of their own, as on local disks
 def test_a_damaged_zarr_json_changes_no_value(bucket):
     path = jaxckpt.save(f"{bucket.url}/c", TREE)
-    kv = ts.KvStore.open(_storage.location(path).spec(), context=_tensorstore._context()).result()
+    kv = ts.KvStore.open(locations.location(path).spec(), context=store_write._context()).result()
     array = _array_of(bucket, path, "w")
     meta = json.loads(kv.read(f"data/{array}/zarr.json").result().value)
     kv.write(f"data/{array}/zarr.json", json.dumps({**meta, "data_type": "int32"}).encode()).result()
@@ -332,16 +334,16 @@ def test_an_array_rewritten_with_its_own_zarr_json_is_refused_not_read(bucket):
     """Another tool rewrites an array in place, zarr.json and shards consistent with each other but
     not with the index (other values, another chunking): an error, never those values."""
     path = jaxckpt.save(f"{bucket.url}/c", TREE)
-    location = _storage.location(path)
+    location = locations.location(path)
     array = _array_of(bucket, path, "w")
     folder = {**location.spec(), "path": location.spec()["path"] + f"data/{array}/"}
     for chunks in ([300, 1000], [100, 1000]):
-        ts.KvStore.open(folder, context=_tensorstore._context()).result().delete_range(ts.KvStore.KeyRange()).result()
+        ts.KvStore.open(folder, context=store_write._context()).result().delete_range(ts.KvStore.KeyRange()).result()
         store = ts.open(
             {"driver": "zarr3", "kvstore": folder, "metadata": {"shape": [300, 1000], "data_type": "float32",
              "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}}}},
             create=True,
-            context=_tensorstore._context(),
+            context=store_write._context(),
         ).result()  # fmt: skip
         store.write(np.full((300, 1000), 7, np.float32)).result()
         with pytest.raises(jaxckpt.CheckpointCorruptedError):

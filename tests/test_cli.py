@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _cli, _scan
+from jaxckpt.tools import cli as _cli
+from jaxckpt.tools import scan
 
 RNG = np.random.default_rng(0)
 KERNEL = RNG.standard_normal((4, 3)).astype(np.float32)
@@ -178,7 +179,7 @@ def test_show_nan_inf_and_sharding(capsys, tmp_path, small_packs):
 
 def test_stats_added_in_parts_equal_stats_of_the_whole():
     x = (RNG.standard_normal(10_000) * 3 + 1e4).astype(np.float64)  # a large mean: naive formulas cancel
-    whole, parts = _scan.Stats(), _scan.Stats()
+    whole, parts = scan.Stats(), scan.Stats()
     whole.add(x)
     for part in np.array_split(x, 7):
         parts.add(part)
@@ -187,7 +188,7 @@ def test_stats_added_in_parts_equal_stats_of_the_whole():
     for name in ("mean", "std", "norm"):
         assert a[name] == pytest.approx(b[name], rel=1e-12)
     assert a["std"] == pytest.approx(x.std(), rel=1e-12)
-    ints = _scan.Stats()
+    ints = scan.Stats()
     ints.add(np.array([2**62, -(2**62), 5], np.int64))
     assert ints.to_json()["max"] == 2**62 and ints.to_json()["min"] == -(2**62)  # exact
 
@@ -274,7 +275,7 @@ def test_verify_ok(capsys, ckpt):
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "own-array"])
 def test_verify_finds_a_flipped_bit_and_names_the_key(capsys, tmp_path, monkeypatch, packed):
     if not packed:
-        monkeypatch.setattr(jaxckpt._tensorstore, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(jaxckpt.arrays.store_write, "PACK_LEAF_LIMIT", -1)
     victim = RNG.standard_normal(4096).astype(np.float32)
     path = jaxckpt.save(tmp_path / "c", {"fine": np.arange(4.0), "victim": victim})
     flip_byte(path, victim.tobytes()[1000:1064])
@@ -289,15 +290,15 @@ def test_verify_finds_a_flipped_bit_and_names_the_key(capsys, tmp_path, monkeypa
 
 
 def test_verify_reads_in_batches(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(jaxckpt._tensorstore, "PACK_LEAF_LIMIT", 100)
+    monkeypatch.setattr(jaxckpt.arrays.store_write, "PACK_LEAF_LIMIT", 100)
     tree = {f"small{i}": np.full(4, i, np.float32) for i in range(6)}
     tree |= {f"big{i}": np.full(40, i, np.float32) for i in range(3)}
     path = jaxckpt.save(tmp_path / "c", tree)
     opened = jaxckpt.inspect(path)._opened
-    groups = list(_scan.batches(opened, list(tree), budget=40))
+    groups = list(scan.batches(opened, list(tree), budget=40))
     assert sorted(k for g in groups for k in g) == sorted(tree)
     assert [len(g) for g in groups] == [2, 2, 2, 1, 1, 1]  # packed: 16 bytes each; arrays: 160 bytes alone
-    monkeypatch.setattr(_scan, "BATCH_BYTES", 40)
+    monkeypatch.setattr(scan, "BATCH_BYTES", 40)
     flip_byte(path, np.full(40, 1, np.float32).tobytes()[:64])
     code, out, _ = run(capsys, "verify", path)
     assert code == 1 and [line.split(":")[0].strip() for line in out.splitlines()[1:]] == ["big1"]
@@ -371,7 +372,7 @@ def test_python_dash_m_and_console_script(tmp_path, ckpt):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("jaxckpt: error: No checkpoint at")
     (script,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "jaxckpt"]
-    assert script.value == "jaxckpt._cli:main"
+    assert script.value == "jaxckpt.tools.cli:main"
 
 
 def test_ls_manager_directory_shows_the_run_metadata(capsys, tmp_path):
@@ -417,7 +418,7 @@ def test_version_prints_the_package_version(capsys):
 
 
 def test_every_subcommand_has_a_description_and_help(capsys):
-    from jaxckpt._cli_parser import parser
+    from jaxckpt.tools.cli_parser import parser
 
     (commands,) = [a for a in parser()._actions if a.dest == "command"]
     helps = {a.dest: a.help for a in commands._choices_actions}  # the one-line help in `jaxckpt --help`
@@ -482,7 +483,7 @@ def _safetensors_names(path) -> list[str]:
 
 @pytest.mark.parametrize("source", ["golden", "slashes"])
 def test_convert_safetensors_to_jaxckpt_and_back_keeps_names_byte_for_byte(capsys, tmp_path, source):
-    from jaxckpt._formats import safetensors as sf
+    from jaxckpt.interop import safetensors as sf
 
     if source == "golden":
         src = Path(__file__).parent / "golden" / "foreign" / "safetensors" / "model.safetensors"

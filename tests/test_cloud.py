@@ -16,7 +16,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _cli, _staging, _storage
+from jaxckpt.saving import staging as _staging
+from jaxckpt.storage import locations
+from jaxckpt.tools import cli
 
 
 def test_save_restore_and_inspect(bucket):
@@ -59,9 +61,9 @@ def test_manager_saves_retains_and_continues(bucket):
     assert manager.checkpoints == [f"{bucket}/run/ckpt-3", f"{bucket}/run/ckpt-4"]
     manager.close()
     assert jaxckpt.latest_checkpoint(f"{bucket}/run") == f"{bucket}/run/ckpt-4"
-    folder = _storage.location(f"{bucket}/run")
-    assert _storage.children(folder) == ["checkpoint", "ckpt-3", "ckpt-4"]  # ckpt-1 and ckpt-2 deleted
-    state = json.loads(_storage.read_file(folder, "checkpoint"))
+    folder = locations.location(f"{bucket}/run")
+    assert locations.children(folder) == ["checkpoint", "ckpt-3", "ckpt-4"]  # ckpt-1 and ckpt-2 deleted
+    state = json.loads(locations.read_file(folder, "checkpoint"))
     assert [c["prefix"] for c in state["checkpoints"]] == ["ckpt-3", "ckpt-4"]
 
     fresh = jaxckpt.Checkpoint(step=0, w=jnp.zeros(4))
@@ -74,28 +76,28 @@ def test_manager_saves_retains_and_continues(bucket):
 
 
 def test_interrupted_save_is_not_a_checkpoint_and_is_cleaned(bucket, monkeypatch):
-    from jaxckpt import _kvstore
+    from jaxckpt.storage import kvstore
 
-    real_write = _kvstore.kv_write
+    real_write = kvstore.kv_write
 
     def no_index(base, key, value):
         if key == "index.json":
             raise OSError("connection reset")  # the commit never happens
         real_write(base, key, value)
 
-    monkeypatch.setattr(_kvstore, "kv_write", no_index)
+    monkeypatch.setattr(kvstore, "kv_write", no_index)
     with pytest.raises(OSError, match="connection reset"):
         jaxckpt.save(f"{bucket}/c", {"x": np.arange(5)})
-    monkeypatch.setattr(_kvstore, "kv_write", real_write)
-    assert _storage.children(_storage.location(f"{bucket}/c")) == []  # the failed save removed its data
+    monkeypatch.setattr(kvstore, "kv_write", real_write)
+    assert locations.children(locations.location(f"{bucket}/c")) == []  # the failed save removed its data
     jaxckpt.save(f"{bucket}/c", {"x": np.arange(5)})
     assert jaxckpt.restore(f"{bucket}/c")["x"].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_leftover_data_without_index_is_replaced_by_the_next_save(bucket, monkeypatch):
-    from jaxckpt import _kvstore
+    from jaxckpt.storage import kvstore
 
-    real_write = _kvstore.kv_write
+    real_write = kvstore.kv_write
 
     def crash_before_index(base, key, value):
         if key == "index.json":
@@ -103,25 +105,25 @@ def test_leftover_data_without_index_is_replaced_by_the_next_save(bucket, monkey
         real_write(base, key, value)
 
     real_discard = _staging.discard
-    monkeypatch.setattr(_kvstore, "kv_write", crash_before_index)
+    monkeypatch.setattr(kvstore, "kv_write", crash_before_index)
     monkeypatch.setattr(_staging, "discard", lambda staging: None)
     with pytest.raises(KeyboardInterrupt):
         jaxckpt.save(f"{bucket}/c", {"x": np.arange(3)})
-    monkeypatch.setattr(_kvstore, "kv_write", real_write)  # not undo(): that would drop the bucket's settings too
+    monkeypatch.setattr(kvstore, "kv_write", real_write)  # not undo(): that would drop the bucket's settings too
     monkeypatch.setattr(_staging, "discard", real_discard)
     path = f"{bucket}/c"
-    assert _storage.children(_storage.location(path)) == [_staging.SAVE_MARKER, "data"]
+    assert locations.children(locations.location(path)) == [_staging.SAVE_MARKER, "data"]
     with pytest.raises(jaxckpt.NotACheckpointError, match=r"no index\.json"):
         jaxckpt.restore(path)
     jaxckpt.save(path, {"y": 2})
     assert jaxckpt.restore(path) == {"y": 2}
-    assert _storage.children(_storage.location(path)) == ["index.json"]  # the leftover data and marker are gone
+    assert locations.children(locations.location(path)) == ["index.json"]  # the leftover data and marker are gone
 
 
 def test_data_without_index_or_marker_is_a_users_and_is_kept(bucket):
     """A user's data/ folder under the prefix looks like a save's data store; without jaxckpt's
     marker it is not provably jaxckpt's, so a save there is refused and nothing is deleted."""
-    kv = ts.KvStore.open(_storage.location(f"{bucket}/mine").spec()).result()
+    kv = ts.KvStore.open(locations.location(f"{bucket}/mine").spec()).result()
     kv.write("data/train.csv", b"a,b\n1,2\n").result()
     kv.write("data.p1/manifest.ocdbt", b"not ocdbt").result()
     with pytest.raises(jaxckpt.CheckpointExistsError, match=r"mine.*not a jaxckpt checkpoint"):
@@ -129,7 +131,7 @@ def test_data_without_index_or_marker_is_a_users_and_is_kept(bucket):
     assert sorted(kv.list().result()) == [b"data.p1/manifest.ocdbt", b"data/train.csv"]
     # A checkpoint whose index was deleted by hand has lost jaxckpt's claim on its data as well.
     path = jaxckpt.save(f"{bucket}/c", {"x": np.arange(3)})
-    ts.KvStore.open(_storage.location(path).spec()).result().delete_range(
+    ts.KvStore.open(locations.location(path).spec()).result().delete_range(
         ts.KvStore.KeyRange("index.json", "index.json\0")
     ).result()
     with pytest.raises(jaxckpt.CheckpointExistsError, match="marker"):
@@ -149,11 +151,11 @@ def test_cli(bucket, capsys):
     assert proc.returncode == 0, proc.stderr
     assert "ckpt-1" in proc.stdout
     capsys.readouterr()
-    assert _cli.main(["ls", f"{bucket}/run/ckpt-1"]) == 0
+    assert cli.main(["ls", f"{bucket}/run/ckpt-1"]) == 0
     assert "w" in capsys.readouterr().out
-    assert _cli.main(["show", f"{bucket}/run/ckpt-1", "w"]) == 0
+    assert cli.main(["show", f"{bucket}/run/ckpt-1", "w"]) == 0
     assert "float32" in capsys.readouterr().out
-    assert _cli.main(["verify", f"{bucket}/run/ckpt-1"]) == 0
+    assert cli.main(["verify", f"{bucket}/run/ckpt-1"]) == 0
 
 
 def test_async_saves(bucket):
@@ -190,7 +192,7 @@ def test_the_servers_answer_as_the_bucket_services_do(bucket):
     """What jaxckpt relies on from a bucket, through TensorStore, on both test servers (the GCS
     emulator needed fixes for each, see tests/gcs_server.py): empty values, ranges (past the end:
     OUT_OF_RANGE), conditional writes, listings by key range."""
-    kv = ts.KvStore.open(_storage.location(f"{bucket}/kv").spec()).result()
+    kv = ts.KvStore.open(locations.location(f"{bucket}/kv").spec()).result()
     kv.write("empty", b"").result()
     assert kv.read("empty").result().value == b""
     kv.write("five", b"01234").result()
@@ -222,7 +224,7 @@ def test_deleting_a_checkpoint_leaves_the_keys_that_share_its_prefix(bucket):
 
 
 def _data_objects(path):
-    kv = ts.KvStore.open(_storage.location(path).spec()).result()
+    kv = ts.KvStore.open(locations.location(path).spec()).result()
     return kv, [k.decode() for k in kv.list().result() if "/c/" in k.decode()]
 
 
@@ -254,7 +256,7 @@ def test_a_damaged_or_missing_object_is_an_error_naming_the_key(bucket, damage, 
     else:
         with pytest.raises(jaxckpt.CheckpointCorruptedError, match="'w'"):
             jaxckpt.restore(path, like=tree)
-    assert _cli.main(["verify", path]) == 1  # but TensorStore and zarr-python could not read it
+    assert cli.main(["verify", path]) == 1  # but TensorStore and zarr-python could not read it
     assert "DAMAGED" in capsys.readouterr().out
 
 
@@ -267,8 +269,8 @@ def test_memory_store_everywhere(capsys):
         assert manager.checkpoints == ["memory://mem-run/ckpt-2"]
     assert jaxckpt.latest_checkpoint("memory://mem-run") == "memory://mem-run/ckpt-2"
     assert jaxckpt.restore("memory://mem-run/ckpt-2")["step"] == 2
-    assert _cli.main(["verify", "memory://mem-run/ckpt-2"]) == 0
-    assert _cli.main(["ls", "memory://mem-run"]) == 0
+    assert cli.main(["verify", "memory://mem-run/ckpt-2"]) == 0
+    assert cli.main(["ls", "memory://mem-run"]) == 0
     assert "ckpt-2" in capsys.readouterr().out
     with pytest.raises(jaxckpt.CheckpointNotFoundError):
         jaxckpt.restore("memory://nothing-here")
@@ -276,24 +278,24 @@ def test_memory_store_everywhere(capsys):
 
 def test_gcs_paths_map_to_the_gcs_kvstore():
     """Google Cloud Storage cannot be reached from the tests; what jaxckpt controls is the spec."""
-    loc = _storage.location("gs://my-bucket/runs/a/")
+    loc = locations.location("gs://my-bucket/runs/a/")
     assert loc.spec() == {"driver": "gcs", "bucket": "my-bucket", "path": "runs/a/"}
     assert (loc / "ckpt-3").spec()["path"] == "runs/a/ckpt-3/"
     with pytest.raises(ValueError, match="names no bucket"):
-        _storage.location("s3:///nothing")
+        locations.location("s3:///nothing")
     with pytest.raises(NotImplementedError, match="ftp"):
-        _storage.location("ftp://host/x")
+        locations.location("ftp://host/x")
 
 
 _ENDPOINT_RULE = """
 import os, jaxckpt
-from jaxckpt import StorageError, _storage
+from jaxckpt import StorageError, locations
 host = os.environ["STORAGE_EMULATOR_HOST"].removeprefix("http://")  # the form without a scheme works too
 
 
 def refused(why):
     try:
-        _storage.location("gs://jaxckpt-tests/endpoint/x")
+        locations.location("gs://jaxckpt-tests/endpoint/x")
     except StorageError as e:
         assert why in str(e), str(e)
     else:
@@ -305,10 +307,10 @@ refused("TENSORSTORE_GCS_HTTP_URL is 'http://127.0.0.1:1'")
 del os.environ["TENSORSTORE_GCS_HTTP_URL"]
 # Before the first request, the endpoint follows STORAGE_EMULATOR_HOST, set, changed or unset.
 os.environ["STORAGE_EMULATOR_HOST"] = "127.0.0.1:1"
-_storage.location("gs://jaxckpt-tests/endpoint/x")
+locations.location("gs://jaxckpt-tests/endpoint/x")
 assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:1"
 del os.environ["STORAGE_EMULATOR_HOST"]
-_storage.location("gs://jaxckpt-tests/endpoint/x")
+locations.location("gs://jaxckpt-tests/endpoint/x")
 assert "TENSORSTORE_GCS_HTTP_URL" not in os.environ and "GOOGLE_AUTH_TOKEN_FOR_TESTING" not in os.environ
 os.environ["STORAGE_EMULATOR_HOST"] = host
 path = jaxckpt.save("gs://jaxckpt-tests/endpoint/c", {"x": 1})

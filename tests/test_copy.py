@@ -1,4 +1,4 @@
-"""The two-tier copy (jaxckpt._copy): several files in flight within the host memory budget, a file
+"""The two-tier copy (jaxckpt.manager.durable_copy): several files in flight within the host memory budget, a file
 over the budget alone, and a local destination streamed in chunks."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import threading
 
 import pytest
 
-from jaxckpt import _copy, _kvstore, _storage
+from jaxckpt.manager import durable_copy
+from jaxckpt.storage import kvstore, locations
 
 
 def _source(tmp_path, sizes: dict[str, int]):
@@ -25,11 +26,11 @@ def _source(tmp_path, sizes: dict[str, int]):
 
 def test_files_are_copied_several_at_once_within_the_budget(tmp_path, monkeypatch):
     size = 64 << 10
-    cost = _copy.file_cost(size, _storage.location("memory://x"))  # three copies of a value, in TensorStore
+    cost = durable_copy.file_cost(size, locations.location("memory://x"))  # three copies of a value, in TensorStore
     sizes = {f"f{i}": size for i in range(6)} | {"huge": 4 * size}
     source = _source(tmp_path, sizes)
     budget = 2 * cost + cost // 2  # two of the small files fit at once, never three; "huge" never fits
-    real, lock = _copy._copy_file, threading.Lock()
+    real, lock = durable_copy._copy_file, threading.Lock()
     in_flight: list[str] = []
     seen: list[list[str]] = []
     second = threading.Event()
@@ -48,29 +49,29 @@ def test_files_are_copied_several_at_once_within_the_budget(tmp_path, monkeypatc
             with lock:
                 in_flight.remove(path.name)
 
-    monkeypatch.setattr(_copy, "_copy_file", tracked)
-    dest = _storage.location(f"memory://{tmp_path.name}/ckpt-1")
-    _copy.copy_checkpoint(source, dest, budget=budget)
+    monkeypatch.setattr(durable_copy, "_copy_file", tracked)
+    dest = locations.location(f"memory://{tmp_path.name}/ckpt-1")
+    durable_copy.copy_checkpoint(source, dest, budget=budget)
     assert max(len(s) for s in seen) == 2  # several at once, never more than the budget holds
     assert ["huge"] in seen and not any("huge" in s and len(s) > 1 for s in seen)  # over the budget: alone
     for name in sizes:
-        assert _kvstore.kv_read(dest.spec(), f"data/{name}") == (source / "data" / name).read_bytes()
-    assert _kvstore.kv_read(dest.spec(), "index.json") == b"{}"
+        assert kvstore.kv_read(dest.spec(), f"data/{name}") == (source / "data" / name).read_bytes()
+    assert kvstore.kv_read(dest.spec(), "index.json") == b"{}"
 
 
 def test_a_failed_file_stops_the_copy_and_leaves_no_checkpoint(tmp_path, monkeypatch):
     source = _source(tmp_path, {f"f{i}": 1024 for i in range(20)})
-    real = _copy._copy_file
+    real = durable_copy._copy_file
 
     def failing(path, staging, rel):
         if path.name == "f3":
             raise OSError(5, "Input/output error", str(path))
         return real(path, staging, rel)
 
-    monkeypatch.setattr(_copy, "_copy_file", failing)
+    monkeypatch.setattr(durable_copy, "_copy_file", failing)
     dest = tmp_path / "durable" / "ckpt-1"
     with pytest.raises(OSError, match="Input/output error"):
-        _copy.copy_checkpoint(source, _storage.location(dest))
+        durable_copy.copy_checkpoint(source, locations.location(dest))
     assert not dest.exists()
     assert not any((tmp_path / "durable").iterdir())  # the staging folder is gone too
 
@@ -79,11 +80,12 @@ STREAMED = textwrap.dedent(
     """
     import resource, sys
     from pathlib import Path
-    from jaxckpt import _copy, _storage
+    from jaxckpt.manager import durable_copy
+    from jaxckpt.storage import locations
 
     source, dest = Path(sys.argv[1]), Path(sys.argv[2])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    _copy.copy_checkpoint(source, _storage.location(dest))
+    durable_copy.copy_checkpoint(source, locations.location(dest))
     print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
     """
 )
@@ -97,7 +99,7 @@ def test_a_local_copy_streams_a_file_larger_than_memory_holds(tmp_path):
     with open(big, "wb") as f:  # 384 MiB, not sparse, a pattern that shows a misplaced chunk
         for i in range(24):
             f.write(bytes([i]) * (16 << 20))
-    root = os.path.dirname(os.path.dirname(_copy.__file__))
+    root = os.path.dirname(os.path.dirname(durable_copy.__file__))
     done = subprocess.run(
         [sys.executable, "-c", STREAMED, str(source), str(tmp_path / "durable" / "ckpt-1")],
         capture_output=True,

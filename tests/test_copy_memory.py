@@ -1,5 +1,5 @@
 """Two tiers copying to a local folder hard-link what the last durable copy copied
-(jaxckpt._copy_memory) only where the local file is that very file with the same bytes.
+(jaxckpt.incremental.copy_memory) only where the local file is that very file with the same bytes.
 
 A file system reuses the inode of a deleted file. A local checkpoint that local retention deleted
 after its durable copy leaves its inodes free, and the next local save may get one of them for a
@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _copy, _storage
-from jaxckpt._copy_memory import CopyMemory
+from jaxckpt.incremental.copy_memory import CopyMemory
+from jaxckpt.manager import durable_copy
+from jaxckpt.storage import locations
 
 
 def _tree(step: int) -> dict:
@@ -51,10 +52,10 @@ def _copy_two(tmp_path: Path, file: str) -> tuple[Path, Path]:
     local, durable = tmp_path / "local", tmp_path / "durable"
     for step in (1, 2):
         jaxckpt.save(local / f"ckpt-{step}", _tree(step))
-    _copy.copy_checkpoint(local / "ckpt-1", _storage.location(durable / "ckpt-1"), memory=memory)
+    durable_copy.copy_checkpoint(local / "ckpt-1", locations.location(durable / "ckpt-1"), memory=memory)
     _reuse_inode(local / "ckpt-1" / file, local / "ckpt-2" / file)
     shutil.rmtree(local / "ckpt-1")
-    _copy.copy_checkpoint(local / "ckpt-2", _storage.location(durable / "ckpt-2"), memory=memory)
+    durable_copy.copy_checkpoint(local / "ckpt-2", locations.location(durable / "ckpt-2"), memory=memory)
     return durable / "ckpt-1", durable / "ckpt-2"
 
 
@@ -82,7 +83,7 @@ def test_an_unchanged_array_hard_linked_locally_is_hard_linked_in_the_durable_ti
     memory = CopyMemory()
     local, durable = tmp_path / "local", tmp_path / "durable"
     jaxckpt.save(local / "ckpt-1", _tree(1))
-    _copy.copy_checkpoint(local / "ckpt-1", _storage.location(durable / "ckpt-1"), memory=memory)
+    durable_copy.copy_checkpoint(local / "ckpt-1", locations.location(durable / "ckpt-1"), memory=memory)
     file = _array_file(local / "ckpt-1", "big")
     # What a local incremental save does with an unchanged array: step 2 holds step 1's very file.
     jaxckpt.save(local / "ckpt-2", {**_tree(2), "big": _tree(1)["big"]})
@@ -90,7 +91,7 @@ def test_an_unchanged_array_hard_linked_locally_is_hard_linked_in_the_durable_ti
     (local / "ckpt-2" / file).unlink()
     os.link(local / "ckpt-1" / file, local / "ckpt-2" / file)
     shutil.rmtree(local / "ckpt-1")
-    _copy.copy_checkpoint(local / "ckpt-2", _storage.location(durable / "ckpt-2"), memory=memory)
+    durable_copy.copy_checkpoint(local / "ckpt-2", locations.location(durable / "ckpt-2"), memory=memory)
     assert (durable / "ckpt-2" / file).stat().st_ino == (durable / "ckpt-1" / file).stat().st_ino
     assert (durable / "ckpt-2" / "data/p/0/c/0").stat().st_nlink == 1  # the pack: written anew each save
     restored = jaxckpt.restore(durable / "ckpt-2")
@@ -102,7 +103,7 @@ def test_a_two_tier_run_keeps_every_durable_checkpoint_intact(tmp_path):
     """The run where this was seen (docs/training-loops.md's two tiers): local retention deletes each
     copied checkpoint, and the next saves reuse its inodes. Whether they do is up to the file system,
     so this catches the old behaviour only some of the time; the tests above make it happen."""
-    from jaxckpt._verify import verify
+    from jaxckpt.tools.verify import verify
 
     ckpt = jaxckpt.Checkpoint(big=_tree(0)["big"], small=_tree(0)["small"], step=0)
     durable = tmp_path / "durable"

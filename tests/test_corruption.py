@@ -27,7 +27,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _cli, _tensorstore
+from jaxckpt.arrays import store_write
+from jaxckpt.tools import cli
 
 
 def original_tree() -> dict[str, Any]:
@@ -55,12 +56,12 @@ KEYS = sorted(original_tree())
 def pristine(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     """A checkpoint whose leaves over 4 KiB have their own zarr3 array; the rest are packed."""
     path = tmp_path_factory.mktemp("corruption") / "pristine"
-    real = _tensorstore.PACK_LEAF_LIMIT
-    _tensorstore.PACK_LEAF_LIMIT = 4096
+    real = store_write.PACK_LEAF_LIMIT
+    store_write.PACK_LEAF_LIMIT = 4096
     try:
         jaxckpt.save(path, original_tree())
     finally:
-        _tensorstore.PACK_LEAF_LIMIT = real
+        store_write.PACK_LEAF_LIMIT = real
     return path, jaxckpt.restore(path)
 
 
@@ -82,7 +83,7 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def verify(path: Path) -> tuple[int, str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = _cli.main(["verify", str(path)])
+        code = cli.main(["verify", str(path)])
     return code, out.getvalue()
 
 

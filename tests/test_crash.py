@@ -34,8 +34,8 @@ import pytest
 from crash_worker import frozen, layout, leaf_base, leaf_value, step_of
 
 import jaxckpt
-from jaxckpt import _statefile, _storage
-from jaxckpt._policies import CheckpointInfo
+from jaxckpt.storage import locations, statefile
+from jaxckpt.storage.statefile import CheckpointInfo
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 HOOKS = ["retention", "state-mid", "state-before-rename", "state-after-rename"]
@@ -164,13 +164,13 @@ class Job:
                 # data it refers to.
                 last = max((int(os.path.basename(c.path).split("-")[1]) for c in self.listed), default=0)
                 adopted = {n for n in set(listing) - expected if int(n.split("-")[1]) > last}
-                later = _statefile.read_state(str(self.directory)) or []
+                later = statefile.read_state(str(self.directory)) or []
                 held = {u for c in [*self.listed, *later] for u in c.uses}  # may be there, or not yet
                 assert {u for c in self.listed for u in c.uses} <= set(listing), f"{context}: held data lost"
                 expected = (expected | adopted | held) & set(listing) | (expected - held)
             assert set(listing) == expected, f"{context}: leftovers after the manager started: {listing}"
             assert self.bucket or step == (self.listed[-1].step if self.listed else 0), context
-        listed = _statefile.read_state(str(self.directory)) or []
+        listed = statefile.read_state(str(self.directory)) or []
         for info in listed:
             self._check_whole(info, context)
         self._check_nothing_lost(listed, context)
@@ -209,7 +209,7 @@ class Job:
         self.check(run, "final run")
         names = {os.path.basename(c.path) for c in self.listed}
         held = {u for c in self.listed for u in c.uses} - names
-        assert _storage.children(_storage.location(str(self.directory))) == sorted(names | held | {"checkpoint"})
+        assert locations.children(locations.location(str(self.directory))) == sorted(names | held | {"checkpoint"})
         assert len(names) == self.keep
         if self.frozen and self.bucket:  # the later ones refer to the frozen leaves' data
             assert all(c.uses for c in self.listed[1:]), [c.uses for c in self.listed]

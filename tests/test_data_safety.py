@@ -17,8 +17,12 @@ import pytest
 import tensorstore as ts
 
 import jaxckpt
-from jaxckpt import _cli, _local_files, _save, _scan, _tensorstore, _tensorstore_read, _verify, _zarr_local
-from jaxckpt._checked_json import checksummed_json
+from jaxckpt.arrays import store_read, store_write, zarr_local
+from jaxckpt.format.checked_json import checksummed_json
+from jaxckpt.saving import pipeline
+from jaxckpt.storage import local_files
+from jaxckpt.tools import cli, scan
+from jaxckpt.tools import verify as _verify
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -39,7 +43,7 @@ def _shard_index(file: Path) -> np.ndarray:
     n = 1
     while n * 16 + 4 <= len(raw):  # the index length is not recorded: find the one whose checksum holds
         index = raw[-(n * 16 + 4) : -4]
-        if _zarr_local.crc_bytes(memoryview(index)) == raw[-4:]:
+        if zarr_local.crc_bytes(memoryview(index)) == raw[-4:]:
             return np.frombuffer(index, "<u8").reshape(n, 2)
         n += 1
     raise AssertionError(f"no valid index at the end of {file}")
@@ -52,7 +56,7 @@ def _mark_absent(file: Path, chunk: int) -> None:
     entries[chunk] = [2**64 - 1, 2**64 - 1]
     raw = file.read_bytes()
     index = entries.astype("<u8").tobytes()
-    file.write_bytes(raw[: -(len(index) + 4)] + index + _zarr_local.crc_bytes(memoryview(index)))
+    file.write_bytes(raw[: -(len(index) + 4)] + index + zarr_local.crc_bytes(memoryview(index)))
 
 
 def _index(path: Path) -> dict:
@@ -138,8 +142,8 @@ def test_a_deleted_pack_shard_file_is_reported_as_missing(tmp_path):
 
 def test_a_checkpoint_deleted_while_read_is_reported_as_gone(tmp_path):
     """What an evaluation job sees when a manager's retention deletes the checkpoint it is reading."""
-    from jaxckpt._reader import Opened
-    from jaxckpt._templates import NO_TEMPLATE
+    from jaxckpt.reading.reader import Opened
+    from jaxckpt.reading.templates import NO_TEMPLATE
 
     path, _ = _chunked(tmp_path)
     opened = Opened(path)  # the index is read; then retention removes everything
@@ -239,7 +243,7 @@ def test_a_small_checkpoint_claiming_a_huge_array_allocates_nothing(tmp_path, ca
         (["verify", str(path)], 1),
         (["diff", str(path), str(path)], 2),
     ):
-        assert _cli.main(argv) == status, argv
+        assert cli.main(argv) == status, argv
         out = capsys.readouterr()
         assert "Traceback" not in out.err and "holds only" in out.out + out.err, (argv, out)
 
@@ -258,7 +262,7 @@ def test_a_small_checkpoint_claiming_a_huge_array_allocates_nothing(tmp_path, ca
     ],
 )
 def test_tensorstore_errors_map_by_status_code(code, error, errno_name):
-    mapped = _tensorstore.failure("the data of 'w'", ValueError(f"{code}: something happened"))
+    mapped = store_write.failure("the data of 'w'", ValueError(f"{code}: something happened"))
     assert type(mapped) is error and "'w'" in str(mapped)
     if errno_name:
         assert mapped.errno == getattr(errno, errno_name)
@@ -277,12 +281,12 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
             def result(self, timeout=None):  # as a TensorStore future's (jaxckpt waits with a deadline)
                 raise ValueError(f'PERMISSION_DENIED: Error opening "{self.path}": Permission denied')
 
-        real_open_store = _tensorstore_read.Reader._open
+        real_open_store = store_read.Reader._open
 
         def refuse(self, path, metadata, **options):  # the array of 'big' only; the pack reads
             return Refused(path) if path == "a/0" else real_open_store(self, path, metadata, **options)
 
-        monkeypatch.setattr(_tensorstore_read.Reader, "_open", refuse)
+        monkeypatch.setattr(store_read.Reader, "_open", refuse)
     else:  # format version 4 on a local disk: jaxckpt opens the files itself (as root, chmod refuses nothing)
         (path, _), key = _chunked(tmp_path), "w"
         target = str(path / "data" / "a" / "0" / ("zarr.json" if refused == "zarr.json" else "c"))
@@ -300,7 +304,7 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
                 raise PermissionError(errno.EACCES, "Permission denied", str(file))
             return real_builtin_open(file, *args, **kwargs)
 
-        real_beneath = _local_files.open_beneath
+        real_beneath = local_files.open_beneath
 
         def open_beneath(folder, relative, flags):  # a file in the folder held open, a component at a time
             if relative.startswith(targets[1]):
@@ -308,11 +312,11 @@ def test_verify_reports_a_permission_error_as_unreadable_not_damaged(tmp_path, m
             return real_beneath(folder, relative, flags)
 
         monkeypatch.setattr(os, "open", os_open)
-        monkeypatch.setattr(_local_files, "open_beneath", open_beneath)
+        monkeypatch.setattr(local_files, "open_beneath", open_beneath)
         monkeypatch.setattr("builtins.open", builtin_open)
     result = _verify.verify(str(path))
     assert not result.damaged and [k for k, _ in result.unreadable] == [key]
-    assert _cli.main(["verify", str(path)]) == 1
+    assert cli.main(["verify", str(path)]) == 1
     out = capsys.readouterr()
     assert "UNREADABLE" in out.out and "DAMAGED" not in out.out and "not known to be damaged" in out.err
     with pytest.raises(jaxckpt.StorageError, match=rf"'{key}'.*refused") as info:
@@ -328,7 +332,7 @@ def test_packed_leaf_copies_are_bounded_by_the_host_memory_budget(tmp_path, monk
     monkeypatch.setenv("JAXCKPT_HOST_MEMORY_BUDGET", str(4 << 20))
     packs: list[int] = []
     flushed_during_snapshot: list[int] = []
-    real_add_pack, real_flush = _tensorstore.Writer.add_pack, _tensorstore.Writer.flush
+    real_add_pack, real_flush = store_write.Writer.add_pack, store_write.Writer.flush
     in_prepare = {"on": False}
 
     def add_pack(self, path, nbytes, pieces):
@@ -340,7 +344,7 @@ def test_packed_leaf_copies_are_bounded_by_the_host_memory_budget(tmp_path, monk
             flushed_during_snapshot.append(len(packs))
         return real_flush(self)
 
-    real_prepare = _save.prepare
+    real_prepare = pipeline.prepare
 
     def prepare(*args, **kwargs):
         in_prepare["on"] = True
@@ -349,14 +353,14 @@ def test_packed_leaf_copies_are_bounded_by_the_host_memory_budget(tmp_path, monk
         finally:
             in_prepare["on"] = False
 
-    monkeypatch.setattr(_tensorstore.Writer, "add_pack", add_pack)
-    monkeypatch.setattr(_tensorstore.Writer, "flush", flush)
-    monkeypatch.setattr(_save, "prepare", prepare)
+    monkeypatch.setattr(store_write.Writer, "add_pack", add_pack)
+    monkeypatch.setattr(store_write.Writer, "flush", flush)
+    monkeypatch.setattr(pipeline, "prepare", prepare)
     rng = np.random.default_rng(0)
     tree = {f"leaf{i}": rng.standard_normal(1 << 18).astype(np.float32) for i in range(64)}  # 1 MiB each
-    path = _save.write(tmp_path / "c", tree)
+    path = pipeline.write(tmp_path / "c", tree)
     assert flushed_during_snapshot, "nothing was written before the snapshot ended"
-    assert max(packs) <= (4 << 20) + (1 << 20) + _tensorstore.PACK_ALIGN, packs
+    assert max(packs) <= (4 << 20) + (1 << 20) + store_write.PACK_ALIGN, packs
     restored = jaxckpt.restore(path)
     for key in ("leaf0", "leaf31", "leaf63"):
         np.testing.assert_array_equal(restored[key], tree[key])
@@ -366,7 +370,7 @@ def test_packed_leaf_copies_are_bounded_by_the_host_memory_budget(tmp_path, monk
 
 
 def test_tensorstore_fsyncs_data_files_by_explicit_setting():
-    assert _tensorstore._context().spec.to_json()["file_io_sync"] is True
+    assert store_write._context().spec.to_json()["file_io_sync"] is True
 
 
 # --- 12. a deleted array is named ----------------------------------------------------------------
@@ -396,22 +400,22 @@ def test_cli_reads_large_arrays_in_bounded_pieces(tmp_path, monkeypatch, capsys,
     b = a.copy()
     b.reshape(-1)[-1] += 1.0  # differs in the very last element
     pa, pb = jaxckpt.save(tmp_path / "a", {"w": a}), jaxckpt.save(tmp_path / "b", {"w": b})
-    monkeypatch.setattr(_scan, "BATCH_BYTES", 256 << 10)
+    monkeypatch.setattr(scan, "BATCH_BYTES", 256 << 10)
     sizes: list[int] = []
-    real = _tensorstore.aligned_empty
+    real = store_write.aligned_empty
 
     def recording(shape, dtype):
         out = real(shape, dtype)
         sizes.append(out.nbytes)
         return out
 
-    monkeypatch.setattr(_tensorstore, "aligned_empty", recording)
-    monkeypatch.setattr(_zarr_local, "aligned_empty", recording)  # format version 4 on a local disk
-    assert _cli.main(["show", "--json", pa, "w"]) == 0
+    monkeypatch.setattr(store_write, "aligned_empty", recording)
+    monkeypatch.setattr(zarr_local, "aligned_empty", recording)  # format version 4 on a local disk
+    assert cli.main(["show", "--json", pa, "w"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["size"] == a.size and stats["min"] == pytest.approx(float(a.min()))
     assert stats["mean"] == pytest.approx(float(a.mean()), rel=1e-6, abs=1e-9)
-    assert _cli.main(["verify", pa]) == 0
-    assert _cli.main(["diff", pa, pb]) == 1
+    assert cli.main(["verify", pa]) == 0
+    assert cli.main(["diff", pa, pb]) == 1
     assert "max |a - b| = 1" in capsys.readouterr().out
     assert sizes and max(sizes) <= 256 << 10, max(sizes)

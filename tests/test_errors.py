@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _tensorstore
+from jaxckpt.arrays import store_write
 
 
 def _rewrite_index(path, edit):
@@ -114,7 +114,7 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     def boom(self):
         raise OSError("disk full")
 
-    monkeypatch.setattr(_tensorstore.Writer, "flush", boom)
+    monkeypatch.setattr(store_write.Writer, "flush", boom)
     with pytest.raises(OSError, match="disk full"):
         jaxckpt.save(tmp_path / "c", {"a": jnp.ones(3)})
     assert list(tmp_path.iterdir()) == []
@@ -126,12 +126,12 @@ def test_killed_save_leaves_no_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, numpy as np, jaxckpt
-        from jaxckpt import _tensorstore
-        real = _tensorstore.Writer.flush
+        from jaxckpt.arrays import store_write
+        real = store_write.Writer.flush
         def commit_then_die(self):
             real(self)  # data durable, index not yet written: the worst instant
             os.kill(os.getpid(), signal.SIGKILL)
-        _tensorstore.Writer.flush = commit_then_die
+        store_write.Writer.flush = commit_then_die
         jaxckpt.save({str(tmp_path / "new")!r}, {{"a": np.ones((600, 600), np.float32)}})
         """
     )
@@ -148,7 +148,7 @@ def test_killed_save_leaves_no_checkpoint(tmp_path):
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "own-array"])
 def test_bit_flip_in_data_is_detected_and_names_the_key(tmp_path, monkeypatch, packed):
     if not packed:
-        monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", -1)
     victim = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
     path = jaxckpt.save(tmp_path / "c", {"fine": np.arange(4.0), "victim": victim})
     needle = victim.tobytes()[1000:1064]
@@ -171,7 +171,7 @@ def test_bit_flip_in_data_is_detected_and_names_the_key(tmp_path, monkeypatch, p
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "own-array"])
 def test_truncated_data_is_detected(tmp_path, monkeypatch, packed):
     if not packed:
-        monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", -1)
     path = jaxckpt.save(tmp_path / "c", {"x": np.random.default_rng(0).standard_normal(20000).astype(np.float32)})
     biggest = max(_data_files(path), key=lambda f: f.stat().st_size)
     with open(biggest, "r+b") as f:
@@ -205,7 +205,7 @@ def test_newer_format_version_is_refused(tmp_path):
      {"array": "a/0/../../x", "stored": "float32"}, {"array": "a/0\u0000", "stored": "float32"}],
 )  # fmt: skip
 def test_crafted_index_cannot_name_files_outside(tmp_path, monkeypatch, at):
-    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+    monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", -1)
     path = jaxckpt.save(tmp_path / "c", {"x": np.ones(3, np.float32)})
     _rewrite_index(path, lambda body: body["leaves"]["x"].update(at=at))
     with pytest.raises(jaxckpt.CheckpointFormatError, match=r"'x'.*array path"):
@@ -234,7 +234,7 @@ def test_crafted_index_fields_are_rejected(tmp_path, edit, message):
 
 
 def test_index_inconsistent_with_stored_array(tmp_path, monkeypatch):
-    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+    monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", -1)
     path = jaxckpt.save(tmp_path / "c", {"x": np.ones(3, np.float32), "y": np.ones(4, np.float32)})
     own_at = json.loads((Path(path) / "index.json").read_text())["leaves"]["x"]["at"]
     assert own_at["array"] == "a/0"

@@ -1,4 +1,4 @@
-"""jaxckpt._fast_put: many host arrays placed as jax.device_put places them, through jax's private
+"""jaxckpt.reading.fast_put: many host arrays placed as jax.device_put places them, through jax's private
 C++ call where that agrees with jax.device_put, and through jax.device_put where not."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import jaxckpt
-from jaxckpt import _fast_put
+from jaxckpt.reading import fast_put
 
 
 def _mesh() -> jax.sharding.Mesh:
@@ -57,33 +57,33 @@ def _same(ours: list[jax.Array], theirs: list[jax.Array]) -> None:
 
 
 def test_the_private_path_is_taken_and_agrees_with_device_put(monkeypatch):
-    assert _fast_put._agrees(), "jax's private batched_device_put no longer agrees: restores of many leaves slow down"
+    assert fast_put._agrees(), "jax's private batched_device_put no longer agrees: restores of many leaves slow down"
     calls = []
-    real = _fast_put._batched
-    monkeypatch.setattr(_fast_put, "_batched", lambda *a: calls.append(a) or real(*a))
+    real = fast_put._batched
+    monkeypatch.setattr(fast_put, "_batched", lambda *a: calls.append(a) or real(*a))
     values, shardings = _cases()
-    _same(_fast_put.put_many(values, shardings), jax.device_put(values, shardings))
+    _same(fast_put.put_many(values, shardings), jax.device_put(values, shardings))
     assert len(calls) == len(values) - 1  # all but the int64 one, which jax would change
 
 
 def test_without_the_private_call_device_put_places_everything(monkeypatch):
-    monkeypatch.setattr(_fast_put, "_batched", None)
+    monkeypatch.setattr(fast_put, "_batched", None)
     values, shardings = _cases()
-    _same(_fast_put.put_many(values, shardings), jax.device_put(values, shardings))
+    _same(fast_put.put_many(values, shardings), jax.device_put(values, shardings))
 
 
 def test_a_private_call_that_disagrees_is_not_used(monkeypatch):
     def wrong(aval, sharding, shards, devices, committed):
         return jax.device_put(np.asarray(shards[0]) + 1, sharding)
 
-    monkeypatch.setattr(_fast_put, "_batched", wrong)
-    _fast_put._agrees.cache_clear()
+    monkeypatch.setattr(fast_put, "_batched", wrong)
+    fast_put._agrees.cache_clear()
     try:
-        assert not _fast_put._agrees()
+        assert not fast_put._agrees()
         values, shardings = _cases()
-        _same(_fast_put.put_many(values, shardings), jax.device_put(values, shardings))
+        _same(fast_put.put_many(values, shardings), jax.device_put(values, shardings))
     finally:
-        _fast_put._agrees.cache_clear()
+        fast_put._agrees.cache_clear()
 
 
 def test_a_shape_the_sharding_cannot_divide_fails_as_device_put_does():
@@ -91,7 +91,7 @@ def test_a_shape_the_sharding_cannot_divide_fails_as_device_put_does():
     with pytest.raises(ValueError) as theirs:
         jax.device_put([np.zeros(6, np.float32)], sharding)
     with pytest.raises(ValueError) as ours:
-        _fast_put.put_many([np.zeros(6, np.float32)], [sharding])
+        fast_put.put_many([np.zeros(6, np.float32)], [sharding])
     assert type(ours.value) is type(theirs.value)
 
 
@@ -100,7 +100,7 @@ def test_under_a_trace_device_put_is_used():
 
     @jax.jit
     def f(x):
-        placed = _fast_put.put_many([values[0]], [shardings[0]])
+        placed = fast_put.put_many([values[0]], [shardings[0]])
         return x + placed[0]
 
     np.testing.assert_array_equal(np.asarray(f(np.ones(16, np.float32))), values[0] + 1)

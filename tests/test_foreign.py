@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxckpt
-from jaxckpt import _convert
-from jaxckpt._cli import main
+from jaxckpt.tools import convert as _convert
+from jaxckpt.tools.cli import main
 
 GOLDEN = Path(__file__).parent / "golden" / "foreign"
 TF_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"

@@ -25,10 +25,10 @@ from jaxckpt._errors import (
     MismatchError,
     UnsupportedValueError,
 )
-from jaxckpt._format import NUMPY, NUMPY_SCALAR, ArrayLeaf, ValueLeaf
-from jaxckpt._formats import ForeignCheckpoint
-from jaxckpt._formats import flax_msgpack as fm
-from jaxckpt._formats import safetensors as sf
+from jaxckpt.format.records import NUMPY, NUMPY_SCALAR, ArrayLeaf, ValueLeaf
+from jaxckpt.interop import flax_msgpack as fm
+from jaxckpt.interop import safetensors as sf
+from jaxckpt.interop.formats import ForeignCheckpoint
 
 GOLDEN = Path(__file__).parent / "golden" / "foreign"
 MSGPACK = GOLDEN / "msgpack"
@@ -366,7 +366,7 @@ def test_writer_round_trip(tmp_path):
 
 
 def test_writer_streams_into_a_temp_file_beside_the_destination(tmp_path):
-    from jaxckpt._storage import temp_file_pattern
+    from jaxckpt.storage.locations import temp_file_pattern
 
     path = tmp_path / "model.safetensors"
     seen: list[list[str]] = []

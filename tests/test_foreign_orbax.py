@@ -13,8 +13,9 @@ import pytest
 
 import jaxckpt
 from jaxckpt._errors import CheckpointCorruptedError, CheckpointFormatError, NotACheckpointError
-from jaxckpt._format import DTYPES, ArrayLeaf, ValueLeaf
-from jaxckpt._formats import ForeignCheckpoint, orbax
+from jaxckpt.format.records import DTYPES, ArrayLeaf, ValueLeaf
+from jaxckpt.interop import orbax
+from jaxckpt.interop.formats import ForeignCheckpoint
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "foreign", "orbax")
 FIXTURES = ["standard", "standard_no_ocdbt", "zarr3", "zarr3_no_ocdbt", "pytree", "run/20", "run/30"]

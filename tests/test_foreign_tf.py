@@ -15,9 +15,10 @@ import pytest
 
 from jaxckpt import CheckpointCorruptedError, CheckpointFormatError
 from jaxckpt._errors import UnsupportedVersionError
-from jaxckpt._formats import ForeignCheckpoint, tf_index
-from jaxckpt._formats import tensorflow as tf_format
-from jaxckpt._tree import escape_edge
+from jaxckpt.format.keys import escape_edge
+from jaxckpt.interop import tensorflow as tf_format
+from jaxckpt.interop import tf_index
+from jaxckpt.interop.formats import ForeignCheckpoint
 
 GOLDEN = Path(__file__).parent / "golden" / "foreign" / "tf"
 # (directory with expected.*, the checkpoint's prefix relative to it)

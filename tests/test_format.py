@@ -14,7 +14,9 @@ GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
 from make_golden import golden_tree, pod_tree  # noqa: E402
 
-from jaxckpt import _cli, _format, _reader  # noqa: E402
+from jaxckpt.format import records  # noqa: E402
+from jaxckpt.reading import reader as _reader  # noqa: E402
+from jaxckpt.tools import cli  # noqa: E402
 
 
 def _assert_same(restored, expected, key=""):
@@ -37,7 +39,7 @@ def test_every_golden_version_is_still_readable():
     versions = sorted(GOLDEN.glob("v*"))
     # Version 6 is version 5 with references between the checkpoints of a bucket's manager directory
     # (tests/test_bucket_incremental.py): no single folder shows it.
-    assert [v.name for v in versions] == [f"v{i}" for i in range(1, _format.PLAIN_VERSION + 1)]
+    assert [v.name for v in versions] == [f"v{i}" for i in range(1, records.PLAIN_VERSION + 1)]
     for folder in versions:
         _assert_same(jaxckpt.restore(folder), golden_tree())
         _assert_same(jaxckpt.restore(folder, like=golden_tree()), golden_tree())
@@ -52,7 +54,7 @@ def test_the_golden_save_of_four_processes_is_still_readable(version):
     _assert_same(jaxckpt.restore(folder), pod_tree())
     opened = _reader.Opened(folder)
     # P("x", "y"): shard (i, j) written by the process of mesh position (i, j).
-    assert _format.regions(opened.index.leaves["xy"].at, (4, 8)) == {
+    assert records.regions(opened.index.leaves["xy"].at, (4, 8)) == {
         "data.p1": [[(0, 2), (0, 2)], [(0, 2), (6, 8)]],
         "data": [[(0, 2), (2, 4)], [(0, 2), (4, 6)]],
         "data.p3": [[(2, 4), (0, 2)], [(2, 4), (6, 8)]],
@@ -65,7 +67,7 @@ def test_the_golden_save_of_four_processes_is_still_readable(version):
     for name, value in pod_tree().items():  # in pieces of one row or less, as `jaxckpt verify` reads large arrays
         pieces = list(_reader.Opened(folder).read_pieces(name, budget=8))
         np.testing.assert_array_equal(np.concatenate([p.reshape(-1) for p in pieces]), value.reshape(-1))
-    assert _cli.main(["verify", str(folder)]) == 0
+    assert cli.main(["verify", str(folder)]) == 0
 
 
 def _files(path):
@@ -123,7 +125,7 @@ def test_arrays_are_readable_with_tensorstore_alone(tmp_path):
 def test_index_records_kinds_and_is_plain_json(tmp_path):
     path = Path(jaxckpt.save(tmp_path / "c", {"t": (1, 2), 3: [np.float32(1)]}))
     index = json.loads((path / "index.json").read_text())
-    assert index["format"] == "jaxckpt" and index["version"] == _format.PLAIN_VERSION  # 6: with references only
+    assert index["format"] == "jaxckpt" and index["version"] == records.PLAIN_VERSION  # 6: with references only
     assert index["nodes"][""] == {"kind": "dict", "class": "dict", "keys": ["t", 3]}
     assert index["nodes"]["t"]["kind"] == "tuple" and index["leaves"]["t/0"] == {"type": "int", "value": 1}
     assert index["leaves"]["3/0"]["container"] == "numpy_scalar"

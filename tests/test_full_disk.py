@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _statefile, _storage, _tensorstore, _zarr_write
+from jaxckpt.arrays import store_write, zarr_write
+from jaxckpt.storage import locations, statefile
 
 
 def state(step: int) -> jaxckpt.Checkpoint:
@@ -46,7 +47,7 @@ class Snapshot:
     def __init__(self, directory: Path) -> None:
         self.state = (directory / "checkpoint").read_bytes()
         self.listing = sorted(os.listdir(directory))
-        self.infos = _statefile.read_state(str(directory))
+        self.infos = statefile.read_state(str(directory))
 
     def assert_untouched(self, directory: Path, *, allow_unlisted: str | None = None) -> None:
         assert (directory / "checkpoint").read_bytes() == self.state, "the state file changed"
@@ -63,7 +64,7 @@ def enospc(what: str) -> OSError:
 def fail_writer_flush(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
     """From the array writer's ``nth`` flush on, its file writes fail as on a full disk, after writing
     part of the file (jaxckpt's own writer of local data stores, below its error handling)."""
-    real_flush, real_write, calls = _tensorstore.Writer.flush, _zarr_write._write_file, []
+    real_flush, real_write, calls = store_write.Writer.flush, zarr_write._write_file, []
 
     def flush(self):
         calls.append(1)
@@ -77,8 +78,8 @@ def fail_writer_flush(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
             f.write(b"\0" * 100)
         raise enospc(path)
 
-    monkeypatch.setattr(_tensorstore.Writer, "flush", flush)
-    monkeypatch.setattr(_zarr_write, "_write_file", write_file)
+    monkeypatch.setattr(store_write.Writer, "flush", flush)
+    monkeypatch.setattr(zarr_write, "_write_file", write_file)
 
 
 class _FullFile:
@@ -103,14 +104,14 @@ class _FullFile:
 
 
 def fail_durable_write(monkeypatch: pytest.MonkeyPatch, name_prefix: str) -> None:
-    """Writing a file whose name starts with ``name_prefix`` (through _storage.write_durable, which
+    """Writing a file whose name starts with ``name_prefix`` (through locations.write_durable, which
     every small file of a save and a manager goes through) fails halfway, as on a full disk."""
 
     def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         f = builtins.open(file, mode, *args, **kwargs)
         return _FullFile(f) if "w" in mode and Path(file).name.startswith(name_prefix) else f
 
-    monkeypatch.setattr(_storage, "open", open_, raising=False)
+    monkeypatch.setattr(locations, "open", open_, raising=False)
 
 
 def fail_mark_creation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,7 +184,7 @@ def test_failing_writes_change_nothing(tmp_path, monkeypatch, failure, async_sav
     latest = manager.save()
     manager.close()
     assert jaxckpt.latest_checkpoint(tmp_path) == latest
-    assert [c.step for c in _statefile.read_state(str(tmp_path))] == [3, 5]
+    assert [c.step for c in statefile.read_state(str(tmp_path))] == [3, 5]
     check_step(latest, 5)
     with jaxckpt.CheckpointManager(state(0), tmp_path, max_to_keep=2):
         pass  # removes the unlisted folder, if any
@@ -247,7 +248,7 @@ def test_full_tmpfs(small_disk, async_save):
     latest = manager.save()
     manager.close()
     check_step(latest, 3)
-    assert [c.step for c in _statefile.read_state(str(directory))] == [2, 3]
+    assert [c.step for c in statefile.read_state(str(directory))] == [2, 3]
     assert sorted(os.listdir(directory)) == ["checkpoint", "ckpt-2", os.path.basename(latest)]
 
 

@@ -36,7 +36,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxckpt
-from jaxckpt import _cli, _tensorstore, _zarr_meta
+from jaxckpt.arrays import store_write, zarr_meta
+from jaxckpt.tools import cli
 
 DEFAULT_EXAMPLES = 150
 STRESS_EXAMPLES = 3000
@@ -244,12 +245,12 @@ def tree_of_everything() -> dict[str, Any]:
 def original(tmp_path_factory):
     """A checkpoint of everything; leaves over 256 bytes get their own zarr3 array."""
     path = tmp_path_factory.mktemp("fuzz") / "original"
-    real = _tensorstore.PACK_LEAF_LIMIT
-    _tensorstore.PACK_LEAF_LIMIT = 256
+    real = store_write.PACK_LEAF_LIMIT
+    store_write.PACK_LEAF_LIMIT = 256
     try:
         jaxckpt.save(path, tree_of_everything())
     finally:
-        _tensorstore.PACK_LEAF_LIMIT = real
+        store_write.PACK_LEAF_LIMIT = real
     body = json.loads((path / "index.json").read_bytes())
     body.pop("checksum")
     return path, body
@@ -280,7 +281,7 @@ def _fuzz_index(tmp_path: Path, original: tuple[Path, dict], examples: int) -> N
             for key, _ in names[:4]:
                 outcomes.call(jaxckpt.load_variable, work, key)
             with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
-                assert _cli.main(["verify", str(work)]) in (0, 1)
+                assert cli.main(["verify", str(work)]) in (0, 1)
 
     run()
     assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file() and p.name != "index.json"} == before
@@ -412,7 +413,7 @@ def _fuzz_store(
             if restored is not None:
                 same(restored, expected)
             with contextlib.redirect_stdout(None), contextlib.redirect_stderr(None):
-                assert _cli.main(["verify", str(work)]) in (0, 1)
+                assert cli.main(["verify", str(work)]) in (0, 1)
 
     run()
     return outcomes
@@ -503,8 +504,8 @@ def _misplaced_tree() -> dict[str, Any]:
 
 
 def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 256)
-    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 256)
+    monkeypatch.setattr(zarr_meta, "INNER_CHUNK_LIMIT", 256)
+    monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", 256)
 
 
 def _same_misplaced(restored: dict, expected: dict) -> None:
@@ -547,7 +548,7 @@ def _misplacement_damage(data: st.DataObject, work: Path) -> None:
         (pa, na), (pb, nb) = data.draw(st.sampled_from(lists), label="x"), data.draw(st.sampled_from(lists), label="y")
         arrays = body["arrays"]
         arrays[pa][na], arrays[pb][nb] = arrays[pb][nb], arrays[pa][na]
-        from jaxckpt._checked_json import checksummed_json
+        from jaxckpt.format.checked_json import checksummed_json
 
         file.write_bytes(checksummed_json(body))
         return
@@ -785,7 +786,7 @@ def test_manager_with_a_checkpoint_of_a_newer_format(tmp_path):
     with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(a=0), tmp_path) as manager:
         with pytest.raises(jaxckpt.UnsupportedVersionError, match=rf"{latest}/index.json.*Upgrade jaxckpt"):
             manager.restore_or_initialize()
-    assert _cli.main(["verify", str(tmp_path)]) == 1
+    assert cli.main(["verify", str(tmp_path)]) == 1
 
 
 def test_path_with_dot_dot(tmp_path):
@@ -800,7 +801,7 @@ def test_path_with_dot_dot(tmp_path):
 
 def test_save_refuses_a_tree_too_deep_to_restore(tmp_path):
     """Restores rebuild trees recursively: a save never writes what the reader would refuse as too deep."""
-    from jaxckpt._format import MAX_DEPTH
+    from jaxckpt.format.records import MAX_DEPTH
 
     def chain(depth: int) -> Any:
         tree: Any = np.ones(2, np.float32)

@@ -23,7 +23,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _checked_json, _kvstore, _storage, _verify
+from jaxckpt.format import checked_json
+from jaxckpt.storage import kvstore, locations
+from jaxckpt.tools import verify as _verify
 
 
 def _tree() -> dict[str, np.ndarray]:
@@ -89,7 +91,7 @@ def test_an_oversized_checksums_file_is_refused_before_it_is_read(tmp_path, monk
     body = json.loads(file.read_bytes())
     del body["checksum"]
     body["pad"] = [0] * 2_500_000
-    file.write_bytes(_checked_json.checksummed_json(body))
+    file.write_bytes(checked_json.checksummed_json(body))
     assert file.stat().st_size > 5_000_000
     parsed = []
     monkeypatch.setattr(json, "loads", lambda *a, **k: parsed.append(1) or json.JSONDecoder().decode(*a, **k))
@@ -99,31 +101,31 @@ def test_an_oversized_checksums_file_is_refused_before_it_is_read(tmp_path, monk
 
 
 def test_a_store_s_checksums_are_read_once_per_checkpoint_opened(tmp_path, monkeypatch):
-    from jaxckpt import _scan
+    from jaxckpt.tools import scan
 
     tree = {f"x{i}": np.full(300_000, i, np.float32) for i in range(4)}
     path = jaxckpt.save(tmp_path / "c", tree)
-    monkeypatch.setattr(_scan, "BATCH_BYTES", 2 << 20)  # a batch per array
+    monkeypatch.setattr(scan, "BATCH_BYTES", 2 << 20)  # a batch per array
     reads = []
-    real = _storage.read_file
+    real = locations.read_file
 
     def counting(folder, name, *args, **kwargs):
         reads.append(name)
         return real(folder, name, *args, **kwargs)
 
-    monkeypatch.setattr(_storage, "read_file", counting)
+    monkeypatch.setattr(locations, "read_file", counting)
     assert _verify.verify(str(path)).ok  # reads the arrays in several batches
     assert reads.count("data/checksums.json") == 1
 
 
 def _swap_index_entries(base: dict, key: str, chunks: int, i: int, j: int) -> None:
     """Swap two entries of a shard's index in an object store, with a valid index checksum."""
-    data = _kvstore.kv_read(base, key)
+    data = kvstore.kv_read(base, key)
     assert data is not None
     size = chunks * 16
     index = bytearray(data[-size - 4 : -4])
     index[16 * i : 16 * i + 16], index[16 * j : 16 * j + 16] = index[16 * j : 16 * j + 16], index[16 * i : 16 * i + 16]
-    _kvstore.kv_write(base, key, data[: -size - 4] + bytes(index) + struct.pack("<I", crc32c.crc32c(bytes(index))))
+    kvstore.kv_write(base, key, data[: -size - 4] + bytes(index) + struct.pack("<I", crc32c.crc32c(bytes(index))))
 
 
 def test_inner_chunks_read_in_part_from_a_bucket_are_checked_too(small_inner_chunks):
@@ -135,7 +137,7 @@ def test_inner_chunks_read_in_part_from_a_bucket_are_checked_too(small_inner_chu
     mesh = Mesh(np.array(jax.devices()), ("x",))
     columns = {"w": jax.ShapeDtypeStruct(values.shape, jnp.float32, sharding=NamedSharding(mesh, P(None, "x")))}
     np.testing.assert_array_equal(np.asarray(jaxckpt.restore(path, like=columns)["w"]), values)
-    _swap_index_entries(_storage.location(path).spec(), "data/a/0/c/0/0", 16, 1, 3)
+    _swap_index_entries(locations.location(path).spec(), "data/a/0/c/0/0", 16, 1, 3)
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*not the data the index records"):
         jaxckpt.restore(path, like=columns)
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*not the data the index records"):
@@ -144,11 +146,11 @@ def test_inner_chunks_read_in_part_from_a_bucket_are_checked_too(small_inner_chu
 
 def test_verify_of_a_bucket_checks_chunks_its_pieces_cut(small_inner_chunks, monkeypatch):
     """verify reads a large array in pieces that need not follow inner chunks."""
-    from jaxckpt import _scan
+    from jaxckpt.tools import scan
 
     path = "memory://pieces"
     values = np.random.default_rng(6).standard_normal((64, 64)).astype(np.float32)
     jaxckpt.save(path, {"w": values})
-    monkeypatch.setattr(_scan, "BATCH_BYTES", 64 * 4 * 6)  # pieces of 6 rows; inner chunks of 4
-    _swap_index_entries(_storage.location(path).spec(), "data/a/0/c/0/0", 16, 1, 4)  # rows 4-8, 16-20: cut
+    monkeypatch.setattr(scan, "BATCH_BYTES", 64 * 4 * 6)  # pieces of 6 rows; inner chunks of 4
+    _swap_index_entries(locations.location(path).spec(), "data/a/0/c/0/0", 16, 1, 4)  # rows 4-8, 16-20: cut
     assert [k for k, _ in _verify.verify(path).damaged] == ["w"]

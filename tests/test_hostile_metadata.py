@@ -21,7 +21,10 @@ from jax.sharding import PartitionSpec as P
 from test_data_safety import _index, _write_index
 
 import jaxckpt
-from jaxckpt import _cli, _format, _read_plan, _tensorstore, _zarr_meta
+from jaxckpt.arrays import store_write, zarr_meta
+from jaxckpt.format import records
+from jaxckpt.reading import read_plan
+from jaxckpt.tools import cli
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -47,7 +50,7 @@ def test_regions_that_overlap_and_leave_a_gap_are_refused(tmp_path, capsys):
     path = _pod_with_regions(tmp_path, {"data.p2": [[[0, 3], [0, 2]]], "data.p1": twice})
     with pytest.raises(jaxckpt.CheckpointFormatError, match=r"'listed'.*overlap"):
         jaxckpt.restore(path)
-    assert _cli.main(["verify", str(path)]) == 1
+    assert cli.main(["verify", str(path)]) == 1
     out = capsys.readouterr()
     assert "Traceback" not in out.err and "'listed'" in out.out + out.err, out
 
@@ -72,22 +75,22 @@ def test_regions_that_tile_the_array_are_accepted(tmp_path):
     ],
 )
 def test_tiling_problem(boxes, tiles):
-    assert (_format.tiling_problem(boxes, (6, 2)) is None) == tiles
+    assert (records.tiling_problem(boxes, (6, 2)) is None) == tiles
 
 
 def test_a_region_read_from_parts_that_do_not_tile_it_is_refused():
     """Defence in depth: regions that were never checked by the index's parser (an index built in
     memory) still cannot hand out a buffer whose uncovered part was never written."""
-    at = _format.InArray("a/3", "int16", {"data.p1": [[(3, 6), (0, 1)], [(3, 6), (0, 1)]], "data": [[(0, 3), (0, 2)]]})
+    at = records.InArray("a/3", "int16", {"data.p1": [[(3, 6), (0, 1)], [(3, 6), (0, 1)]], "data": [[(0, 3), (0, 2)]]})
     with pytest.raises(jaxckpt.CheckpointFormatError, match="a/3"):
-        _read_plan.plan_region(at, (6, 2), (slice(0, 6), slice(0, 2)))
+        read_plan.plan_region(at, (6, 2), (slice(0, 6), slice(0, 2)))
 
 
 def test_tiling_problem_of_a_high_rank_array():
     shape = (2,) * 20 + (1,) * 44
     halves = [[(0, 1)] + [(0, n) for n in shape[1:]], [(1, 2)] + [(0, n) for n in shape[1:]]]
-    assert _format.tiling_problem(halves, shape) is None
-    assert "overlap" in _format.tiling_problem([halves[0], halves[0]], shape)
+    assert records.tiling_problem(halves, shape) is None
+    assert "overlap" in records.tiling_problem([halves[0], halves[0]], shape)
 
 
 # --- hostile calls run in a child: a hang or an exhausted host must not take the test run along --
@@ -96,7 +99,7 @@ def test_tiling_problem_of_a_high_rank_array():
 _CHILD_PREAMBLE = """
 import resource, sys
 import jaxckpt
-from jaxckpt import _cli
+from jaxckpt.tools import cli
 with open("/proc/self/statm") as f:
     used = int(f.read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (used + {headroom}, resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -105,7 +108,7 @@ path = sys.argv[1]
 
 
 def _in_child(script: str, path: Path, *, timeout: float = 120, headroom: int = 3 << 29) -> str:
-    """Run ``script`` (with ``path`` and jaxckpt's ``_cli`` at hand) in a fresh interpreter under
+    """Run ``script`` (with ``path`` and jaxckpt's ``cli`` at hand) in a fresh interpreter under
     RLIMIT_AS (its address space after imports plus ``headroom``: 1.5 GiB) and ``timeout``; its output."""
     code = _CHILD_PREAMBLE.format(headroom=headroom) + textwrap.dedent(script)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -125,7 +128,7 @@ def _in_child(script: str, path: Path, *, timeout: float = 120, headroom: int = 
 def _own_array(tmp_path: Path, value: np.ndarray) -> Path:
     """A checkpoint of ``value`` under the key 'w', stored as an array of its own (a/0)."""
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
+        m.setattr(store_write, "PACK_LEAF_LIMIT", -1)
         return Path(jaxckpt.save(tmp_path / "c", {"w": value}))
 
 
@@ -152,8 +155,8 @@ def test_an_empty_array_of_a_huge_dimension_is_restored_verified_and_shown_at_on
         """
         w = jaxckpt.restore(path)["w"]
         print("restored", w.shape, w.dtype)
-        print("verify", _cli.main(["verify", path]))
-        print("show", _cli.main(["show", path, "w"]))
+        print("verify", cli.main(["verify", path]))
+        print("show", cli.main(["show", path, "w"]))
         """,
         path,
     )
@@ -182,16 +185,16 @@ def test_the_bounded_divisor_search_finds_what_the_format_always_derived():
 
     def reference(n: int, rows: int) -> int | None:
         best = max(d for d in range(1, min(n, rows) + 1) if n % d == 0)
-        return best if best * _zarr_meta._TOO_FINE >= rows else None
+        return best if best * zarr_meta._TOO_FINE >= rows else None
 
     for rows in (1, 2, 3, 7, 8, 9, 17, 64, 100, 1000):
         for n in range(1, 700):
-            assert _zarr_meta._divisor(n, rows) == reference(n, rows), (n, rows)
-    assert _zarr_meta._divisor(3_000_000, 2**21) == 1_500_000
-    assert _zarr_meta._divisor(2**62, 2**23) == 2**23
-    assert _zarr_meta._divisor(2**61 - 1, 2**23) is None  # a prime: no chunk of it fits
-    assert _zarr_meta.inner_chunk_shape([1000, 4096], 4) == (500, 4096)  # 512 rows fit
-    assert _zarr_meta.shard_shape([1009, 4096], [1009, 4096], 4) == (1024, 4096)  # prime: padded
+            assert zarr_meta._divisor(n, rows) == reference(n, rows), (n, rows)
+    assert zarr_meta._divisor(3_000_000, 2**21) == 1_500_000
+    assert zarr_meta._divisor(2**62, 2**23) == 2**23
+    assert zarr_meta._divisor(2**61 - 1, 2**23) is None  # a prime: no chunk of it fits
+    assert zarr_meta.inner_chunk_shape([1000, 4096], 4) == (500, 4096)  # 512 rows fit
+    assert zarr_meta.shard_shape([1009, 4096], [1009, 4096], 4) == (1024, 4096)  # prime: padded
 
 
 # --- 6. tiny shards and chunks: the objects a read plans are bounded by the bytes held ------------
@@ -203,7 +206,7 @@ try:
     print("restored")
 except jaxckpt.JaxckptError as e:
     print("refused:", type(e).__name__, e)
-print("verify", _cli.main(["verify", path]))
+print("verify", cli.main(["verify", path]))
 """
 
 
@@ -247,7 +250,7 @@ def test_an_array_in_many_small_shards_restores(tmp_path, small_packs, saved, re
     got = jaxckpt.restore(path, like=like)["w"]
     np.testing.assert_array_equal(np.asarray(got), value)
     assert got.sharding == like["w"].sharding
-    assert _cli.main(["verify", str(path)]) == 0
+    assert cli.main(["verify", str(path)]) == 0
 
 
 def test_an_array_cut_into_more_shards_than_any_save_writes_is_refused_by_the_parser(tmp_path):
@@ -270,4 +273,4 @@ def test_an_array_cut_into_more_shards_than_any_save_writes_is_refused_by_the_pa
     ],
 )
 def test_grid_cells_counts_the_shards_a_read_touches_once(boxes, step, cells):
-    assert _format.grid_cells(boxes, step) == cells
+    assert records.grid_cells(boxes, step) == cells

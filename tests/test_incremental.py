@@ -15,7 +15,8 @@ import pytest
 from lora_state import adapter, base, expect_restores, run
 
 import jaxckpt
-from jaxckpt import _cli, _zarr_write
+from jaxckpt.arrays import zarr_write
+from jaxckpt.tools import cli
 
 
 def shard_files(checkpoint: str | Path, array: str) -> dict[str, os.stat_result]:
@@ -37,13 +38,13 @@ def inodes(checkpoint: str | Path, key: str) -> set[int]:
 def counted_writes(monkeypatch):
     """The shard files that jaxckpt writes (not those it links), by path."""
     written: list[str] = []
-    real = _zarr_write._write_shard
+    real = zarr_write._write_shard
 
     def counting(shard):
         written.append(shard.file)
         return real(shard)
 
-    monkeypatch.setattr(_zarr_write, "_write_shard", counting)
+    monkeypatch.setattr(zarr_write, "_write_shard", counting)
     return written
 
 
@@ -70,7 +71,7 @@ def test_every_kept_step_restores_after_retention_deleted_the_one_that_wrote_the
     for step, path in zip((5, 6), paths):
         expect_restores(path, frozen, step)
         assert all(s.st_nlink == 2 for s in shard_files(path, array_of(path, "base/w0")).values())
-    assert _cli.main(["verify", paths[0]]) == 0
+    assert cli.main(["verify", paths[0]]) == 0
 
 
 def test_a_save_right_after_a_restart_links_what_the_restore_returned(tmp_path, counted_writes):
@@ -209,7 +210,7 @@ def test_damage_to_a_shared_file_is_found_in_every_checkpoint_that_holds_it(tmp_
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 0x10]))
-    assert _cli.main(["verify", "--json", str(directory)]) == 1
+    assert cli.main(["verify", "--json", str(directory)]) == 1
     report = json.loads(capsys.readouterr().out)
     assert [r["path"] for r in report if not r["ok"]] == paths
     assert all([d["key"] for d in r["damaged"]] == ["base/w0"] for r in report)
@@ -229,7 +230,7 @@ def test_ls_tells_what_each_checkpoint_shares(tmp_path, capsys):
     assert all(base_bytes <= s < base_bytes + 64 * 1024 for s in shared)  # the shards, with their indexes
     assert all(size - s > 2 << 20 for size, s in zip(sizes, shared))  # each holds its own adapter
     assert doc["unique_bytes"] == sum(sizes) - 2 * shared[0]
-    assert _cli.main(["ls", str(directory)]) == 0
+    assert cli.main(["ls", str(directory)]) == 0
     out = capsys.readouterr().out
     assert "shared" in out and out.count("shared") >= 3
 

@@ -1,4 +1,4 @@
-"""jaxckpt._index_encode: the index written from templates is byte for byte the canonical JSON that
+"""jaxckpt.format.index_encode: the index written from templates is byte for byte the canonical JSON that
 ``json.dumps(sort_keys=True)`` makes of its records, for every kind of leaf and key."""
 
 import json
@@ -12,27 +12,27 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _checked_json, _index_encode, _index_json
-from jaxckpt._format import ArrayLeaf, Index, InPack, Pack, ValueLeaf
-from jaxckpt._tree import NodeInfo
+from jaxckpt.format import checked_json, index_encode, index_json
+from jaxckpt.format.keys import NodeInfo
+from jaxckpt.format.records import ArrayLeaf, Index, InPack, Pack, ValueLeaf
 
 
 def _canonical(data: bytes) -> bytes:
     """What json.dumps makes of the file's own body: the definition of the format's bytes."""
     body = json.loads(data)
     del body["checksum"]
-    return _checked_json.checksummed_json(body)
+    return checked_json.checksummed_json(body)
 
 
 def _record_by_record(index: Index, monkeypatch) -> bytes:
     """encode_index with every leaf's record made by json.dumps (no template)."""
     with monkeypatch.context() as m:
         m.setattr(
-            _index_encode._PackedLeaves,
+            index_encode._PackedLeaves,
             "text",
-            lambda self, leaf, at: _checked_json.canonical_text(_index_encode.leaf_to_json(leaf, {})),
+            lambda self, leaf, at: checked_json.canonical_text(index_encode.leaf_to_json(leaf, {})),
         )
-        return _index_encode.encode_index(index)
+        return index_encode.encode_index(index)
 
 
 KEYS = ["b10", "b2", "B", "a/b", 'quote"d', "back\\slash", "new\nline", "tab\t", "é", "日本", "\x7f", "z" * 40, "", "0"]
@@ -71,8 +71,8 @@ def test_a_saved_index_is_the_canonical_json_of_its_body(tmp_path):
 def test_templates_write_what_json_dumps_writes_record_by_record(tmp_path, monkeypatch):
     jaxckpt.save(tmp_path / "c", _tree())
     data = (tmp_path / "c" / "index.json").read_bytes()
-    index = _index_json.decode_index(data, "index")
-    assert _index_encode.encode_index(index) == data == _record_by_record(index, monkeypatch)
+    index = index_json.decode_index(data, "index")
+    assert index_encode.encode_index(index) == data == _record_by_record(index, monkeypatch)
 
 
 def _index(leaves: dict) -> Index:
@@ -97,9 +97,9 @@ def test_odd_records_are_written_as_json_dumps_writes_them(leaf, monkeypatch):
         expected = _record_by_record(index, monkeypatch)
     except TypeError:
         with pytest.raises(TypeError):
-            _index_encode.encode_index(index)
+            index_encode.encode_index(index)
         return
-    assert _index_encode.encode_index(index) == expected
+    assert index_encode.encode_index(index) == expected
     assert _canonical(expected) == expected
 
 
@@ -107,7 +107,7 @@ def test_equal_kinds_share_one_template_and_keep_their_own_numbers():
     leaves = {
         f"w{i}": ArrayLeaf(np.dtype("float32"), (4,), "jax", InPack(i % 3, 16 * i, 16, 1000 + i)) for i in range(50)
     }
-    records = json.loads(_index_encode.encode_index(_index(leaves)))["leaves"]
+    records = json.loads(index_encode.encode_index(_index(leaves)))["leaves"]
     assert [records[f"w{i}"]["at"] for i in range(50)] == [
         {"pack": i % 3, "offset": 16 * i, "nbytes": 16, "crc32c": 1000 + i} for i in range(50)
     ]
@@ -116,12 +116,12 @@ def test_equal_kinds_share_one_template_and_keep_their_own_numbers():
 @pytest.mark.parametrize("count", [0, 1, 2, 3, 4, 5, 6, 7])
 def test_records_encoded_in_batches_join_as_one_text(count, monkeypatch):
     # Batches of 3: none, one short, one full, a full one and a short one, two full ones...
-    monkeypatch.setattr(_index_encode, "_BATCH", 3)
+    monkeypatch.setattr(index_encode, "_BATCH", 3)
     leaves = {f"k{i}": ArrayLeaf(np.dtype("float32"), (4,), "jax", InPack(0, 16 * i, 16, i)) for i in range(count)}
     leaves.update({"é": ValueLeaf("int", count)} if count % 2 else {})
-    data = _index_encode.encode_index(_index(leaves))
+    data = index_encode.encode_index(_index(leaves))
     assert data == _canonical(data)
     body = json.loads(data)
     del body["checksum"]
-    assert data == _checked_json.with_checksum(_checked_json.canonical_json(body))
+    assert data == checked_json.with_checksum(checked_json.canonical_json(body))
     assert sorted(body["leaves"]) == sorted(leaves)

@@ -1,4 +1,4 @@
-"""jaxckpt._index_leaves: records of small packed arrays checked in short give the leaves, and the
+"""jaxckpt.format.index_json: records of small packed arrays checked in short give the leaves, and the
 errors, that the full parser gives."""
 
 import json
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _checked_json, _index_json
 from jaxckpt._errors import CheckpointFormatError
+from jaxckpt.format import checked_json, index_json
 
 
 def _full_only(records, packs, version, full):
@@ -25,12 +25,12 @@ def _body(tmp_path) -> dict:
 
 
 def _decode(body: dict, monkeypatch=None):
-    data = _checked_json.checksummed_json(body)
+    data = checked_json.checksummed_json(body)
     if monkeypatch is None:
-        return _index_json.decode_index(data, "index")
+        return index_json.decode_index(data, "index")
     with monkeypatch.context() as m:
-        m.setattr(_index_json, "parse_leaves", _full_only)
-        return _index_json.decode_index(data, "index")
+        m.setattr(index_json, "parse_leaves", _full_only)
+        return index_json.decode_index(data, "index")
 
 
 def test_leaves_are_those_the_full_parser_gives(tmp_path, monkeypatch):

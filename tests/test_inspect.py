@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._describe import key_matcher
-from jaxckpt._progress import Progress, human_bytes
+from jaxckpt.tools.describe import key_matcher
+from jaxckpt.tools.progress import Progress, human_bytes
 
 
 def _tree():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _checked_json, _format, _index_encode, _index_json
+from jaxckpt.format import checked_json, index_encode, index_json, records
 
 grain = pytest.importorskip("grain")
 
@@ -77,10 +77,10 @@ class Counter:
 def _per_process(path, key, states):
     """Rewrite the checkpoint at ``path`` as if ``len(states)`` processes had saved these states of ``key``."""
     index_file = path / "index.json"
-    index = _index_json.decode_index(index_file.read_bytes(), "index.json")
-    leaves = tuple(_format.ValueLeaf("state_bytes" if isinstance(s, bytes) else "state", s) for s in states)
-    index.leaves[key] = _format.ValueLeaf("state_per_process", leaves)
-    index_file.write_bytes(_index_encode.encode_index(index))
+    index = index_json.decode_index(index_file.read_bytes(), "index.json")
+    leaves = tuple(records.ValueLeaf("state_bytes" if isinstance(s, bytes) else "state", s) for s in states)
+    index.leaves[key] = records.ValueLeaf("state_per_process", leaves)
+    index_file.write_bytes(index_encode.encode_index(index))
 
 
 def test_per_process_states_are_written_and_read_back(tmp_path):
@@ -113,23 +113,23 @@ def test_a_crafted_per_process_state_is_refused_by_name(tmp_path):
     for value in ([{"type": "int", "value": 1}], [[1]], "x", [{"type": "state_per_process", "value": []}]):
         body = json.loads(index_file.read_text())
         body["leaves"]["data"] = {"type": "state_per_process", "value": value}
-        raw = _checked_json.checksummed_json({k: v for k, v in body.items() if k != "checksum"})
+        raw = checked_json.checksummed_json({k: v for k, v in body.items() if k != "checksum"})
         with pytest.raises(jaxckpt.JaxckptError, match="data"):
-            _index_json.decode_index(raw, "index.json")
+            index_json.decode_index(raw, "index.json")
     del path
 
 
 def test_per_process_states_are_listed_and_converted(tmp_path, capsys):
-    from jaxckpt import _cli
+    from jaxckpt.tools import cli
 
     path = jaxckpt.Checkpoint(data=Counter()).write(tmp_path / "ckpt")
     _per_process(tmp_path / "ckpt", "data", [{"position": 3}, b"\x00\xff"])
     assert "state_per_process" in repr(jaxckpt.inspect(path))
-    assert _cli.main(["ls", "--json", str(path)]) == 0
+    assert cli.main(["ls", "--json", str(path)]) == 0
     listed = {v["key"]: v for v in json.loads(capsys.readouterr().out)["leaves"]}
     assert listed["data"]["value"] == [
         {"type": "state", "value": {"position": 3}},
         {"type": "state_bytes", "value": "AP8="},
     ]
-    assert _cli.main(["convert", str(path), str(tmp_path / "out")]) == 0
+    assert cli.main(["convert", str(path), str(tmp_path / "out")]) == 0
     assert jaxckpt.restore(tmp_path / "out")["data"] == [{"position": 3}, b"\x00\xff"]

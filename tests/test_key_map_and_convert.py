@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _convert, _tensorstore
-from jaxckpt._cli import main
+from jaxckpt.arrays import store_write
+from jaxckpt.tools import convert as _convert
+from jaxckpt.tools.cli import main
 
 
 def _tree():
@@ -115,13 +116,13 @@ def test_convert_holds_about_one_array_at_a_time(tmp_path, monkeypatch):
     arrays = {f"a{i}": np.full(64 << 10, i, np.float32) for i in range(6)}  # 256 KiB each, none packed
     src = jaxckpt.save(tmp_path / "c", arrays)
     events = []
-    flush = _tensorstore.Writer.flush
+    flush = store_write.Writer.flush
 
     def recording_flush(self, *args, **kwargs):
         events.append("flush")
         return flush(self, *args, **kwargs)
 
-    monkeypatch.setattr(_tensorstore.Writer, "flush", recording_flush)
+    monkeypatch.setattr(store_write.Writer, "flush", recording_flush)
     monkeypatch.setattr(_convert, "BUDGET", 300 << 10)  # a little over one array
     _convert.convert(src, tmp_path / "d", on_read=lambda n: events.append("read"))
     reads_before_first_flush = events.index("flush")

@@ -1,6 +1,8 @@
-"""The house rules of jaxckpt/, checked: each module within 500 lines, and no module reaching for
-another's private names (``from jaxckpt._x import _name`` or ``_x._name``): what a module shares,
-it names without an underscore."""
+"""The house rules of jaxckpt/, checked: no module reaching for another's private names
+(``from jaxckpt.a.b import _name`` or ``b._name``): what a module shares, it names without an
+underscore; no import loop; and a module past 550 lines is a smell (two jobs in one file), not a
+reason for a file of its own. Which layer may import which is import-linter's contract in
+pyproject.toml (``make lint``), which ``tests/test_architecture_page.py`` holds the docs against."""
 
 import ast
 from pathlib import Path
@@ -9,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxckpt"
 MODULES = sorted(PACKAGE.rglob("*.py"))
-MAX_LINES = 500
+MAX_LINES = 550
 
 
 def _module_names() -> set[str]:
@@ -17,7 +19,7 @@ def _module_names() -> set[str]:
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_each_module_stays_within_500_lines(path):
+def test_each_module_stays_within_550_lines(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.name} has {lines} lines; split it by job (see docs/architecture.md)"
 
@@ -54,18 +56,15 @@ def _module_of(path: Path) -> str:
 
 
 def _imports(path: Path, known: set[str]) -> set[str]:
-    """The jaxckpt modules that ``path`` imports, function-level imports included, those under
-    ``if TYPE_CHECKING:`` (never run) left out. ``from jaxckpt._x import name`` is an import of
-    ``jaxckpt._x``, and ``from jaxckpt._x import y`` of ``jaxckpt._x.y`` where that is a module."""
+    """The jaxckpt modules that ``path`` imports, function-level imports and those under
+    ``if TYPE_CHECKING:`` included (a loop there is a loop for a reader too).
+    ``from jaxckpt.a.b import name`` is an import of ``jaxckpt.a.b``, and ``from jaxckpt.a import b``
+    of ``jaxckpt.a.b`` where that is a module."""
     name = _module_of(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -147,7 +147,7 @@ def test_the_per_leaf_work_runs_with_the_garbage_collector_paused(tmp_path):
     leave it as they found it."""
     import gc
 
-    from jaxckpt import _save
+    from jaxckpt.saving import pipeline
 
     tree = {f"k{i}": np.full(3, i, np.float32) for i in range(3000)}
     collections = []
@@ -162,9 +162,9 @@ def test_the_per_leaf_work_runs_with_the_garbage_collector_paused(tmp_path):
     gc.callbacks.append(count)
     try:
         # Running, it would collect hundreds of times here; calling in may still trigger one or two.
-        prepared = _save.prepare(path, tree)
+        prepared = pipeline.prepare(path, tree)
         assert len(collections) <= 2, len(collections)
-        _save.write_and_publish(prepared)
+        pipeline.write_and_publish(prepared)
         collections.clear()
         restored = jaxckpt.restore(path, like=tree)
         assert len(collections) <= 2, len(collections)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _retention
-from jaxckpt._policies import CheckpointInfo
+from jaxckpt.manager import retention as _retention
+from jaxckpt.storage.statefile import CheckpointInfo
 
 
 class FakeClock:

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _manager, _save
+from jaxckpt.manager import one_tier
+from jaxckpt.saving import pipeline
 
 
 def make_ckpt(step: int = 0, value: float = 0.0) -> jaxckpt.Checkpoint:
@@ -36,7 +37,7 @@ def held_save(monkeypatch):
         started = threading.Event()
         error: BaseException | None = None
 
-    real_finish = _save.write_and_publish
+    real_finish = pipeline.write_and_publish
 
     def finish(prepared):
         Held.started.set()
@@ -45,7 +46,7 @@ def held_save(monkeypatch):
             raise Held.error
         return real_finish(prepared)
 
-    monkeypatch.setattr(_save, "write_and_publish", finish)
+    monkeypatch.setattr(pipeline, "write_and_publish", finish)
     try:
         yield Held
     finally:
@@ -179,7 +180,7 @@ def test_delete_raises_a_failed_background_save_first(tmp_path, held_save):
 
 
 def test_delete_that_cannot_write_the_state_file_leaves_the_step_listed_and_unmarked(tmp_path, monkeypatch):
-    from jaxckpt import _statefile
+    from jaxckpt.storage import statefile
 
     manager = jaxckpt.CheckpointManager(make_ckpt(), tmp_path, async_save=False)
     manager.save(step=1)
@@ -188,7 +189,7 @@ def test_delete_that_cannot_write_the_state_file_leaves_the_step_listed_and_unma
     def full(*args, **kwargs):
         raise jaxckpt.StorageError("No space left on device", errno.ENOSPC)
 
-    monkeypatch.setattr(_statefile, "write_state", full)
+    monkeypatch.setattr(statefile, "write_state", full)
     with pytest.raises(jaxckpt.StorageError, match="No space"):
         manager.delete(1)
     monkeypatch.undo()
@@ -366,19 +367,19 @@ def test_a_huge_lock_file_is_not_read_whole(tmp_path, monkeypatch):
     with jaxckpt.CheckpointManager(make_ckpt(), tmp_path) as manager:  # nobody holds it: taken over
         manager.save()
     assert not lock.exists()
-    assert _manager.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1")
+    assert one_tier.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-1")
 
 
-# --- item 11: the state file is not a regular file (read by _storage.read_file, bounded) -----------
+# --- item 11: the state file is not a regular file (read by locations.read_file, bounded) -----------
 
 
 @pytest.mark.parametrize("kind", ["dev-zero", "fifo"])
 def test_a_state_file_that_is_not_a_file_is_refused_clearly(tmp_path, kind):
     import inspect
 
-    from jaxckpt import _storage
+    from jaxckpt.storage import locations
 
-    if "limit" not in inspect.signature(_storage.read_file).parameters:
+    if "limit" not in inspect.signature(locations.read_file).parameters:
         pytest.skip("_storage.read_file does not bound its reads yet (issue 10, item 11)")
     state = tmp_path / "checkpoint"
     if kind == "dev-zero":

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _cli, _format, _index_json
+from jaxckpt.format import index_json, records
+from jaxckpt.tools import cli
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
@@ -108,9 +109,9 @@ def test_two_processes_write_one_checkpoint_each_its_own_shards(saved_by_two):
     assert b'"regions"' not in raw
     rows = index["leaves"]["state/rows"]["at"]
     assert (rows["mesh"], rows["spec"]) == (0, [["x"], None])
-    parsed = _index_json.decode_index(raw, "index.json").leaves
+    parsed = index_json.decode_index(raw, "index.json").leaves
     # each process its half
-    assert _format.regions(parsed["state/rows"].at, (512, 640)) == {
+    assert records.regions(parsed["state/rows"].at, (512, 640)) == {
         "data": [[(0, 256), (0, 640)]],
         "data.p1": [[(256, 512), (0, 640)]],
     }
@@ -205,16 +206,17 @@ def test_incremental_saves_across_processes_on_a_bucket_refer_to_each_process_s_
     # On a bucket an array of its own that each process saved or restored is a reference in that
     # process's data store; leaves of 8 MiB or less that process 0 holds whole are packed and written.
     ok(run("manager-incremental", s3, nproc=2, ndev=2, mesh="2x2"), "manager-incremental")
-    from jaxckpt import _refs_json, _storage
+    from jaxckpt.format import refs_json
+    from jaxckpt.storage import locations
 
     for n in ("ckpt-2", "ckpt-3"):
-        where = _storage.location(f"{s3}/{n}")
-        index = json.loads(_storage.read_file(where, "index.json"))
+        where = locations.location(f"{s3}/{n}")
+        index = json.loads(locations.read_file(where, "index.json"))
         assert index["version"] == 6, n
         # "rows" and "xy" are sharded over both processes: arrays of their own, however small
         arrays = {index["leaves"][f"state/{k}"]["at"]["array"] for k in ("rows", "xy")}
         for store in ("data", "data.p1"):  # each process's shards, referred to by that process
-            refs = _refs_json.decode(_storage.read_file(where, f"{store}/refs.json"), "", None)
+            refs = refs_json.decode(locations.read_file(where, f"{store}/refs.json"), "", None)
             assert set(refs) == arrays, (n, store)
             assert {(r.checkpoint, r.store) for r in refs.values()} == {("ckpt-1", store)}, (n, store)
     rng = np.random.default_rng(7)  # the worker's values
@@ -274,7 +276,7 @@ def test_two_tiers_across_processes_restore_locally_only_if_every_process_can(tm
     rng.standard_normal((64, 48))
     expected_rows = rng.standard_normal((512, 640)).astype(np.float32) * 8
     np.testing.assert_array_equal(jaxckpt.load_variable(durable / "ckpt-8", "state/rows"), expected_rows)
-    assert _cli.main(["verify", str(durable)]) == 0
+    assert cli.main(["verify", str(durable)]) == 0
     results = run("tiers-restore", tmp_path, nproc=2, ndev=2, mesh="2x2")
     ok(results, "tiers-restore")
     for i, (_, out) in enumerate(results):

@@ -1,4 +1,4 @@
-"""jaxckpt._nnx_state: an NNX object saved again gives what ``nnx.to_pure_dict(nnx.state(obj))`` gives
+"""jaxckpt.tree.nnx_state: an NNX object saved again gives what ``nnx.to_pure_dict(nnx.state(obj))`` gives
 now, through what the last traversal saw when the graph is the same, and through Flax when it is not."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 import jaxckpt
-from jaxckpt import _nnx_state, _structure, _tree
+from jaxckpt.tree import nnx_state, structure
+from jaxckpt.tree import objects as _tree
 
 
 class Block(nnx.Module):
@@ -59,15 +60,15 @@ class _Counting:
 
 @pytest.fixture(autouse=True)
 def fresh():
-    _nnx_state.forget()
+    nnx_state.forget()
     yield
-    _nnx_state.forget()
+    nnx_state.forget()
 
 
 def _check(flax: _Counting, x, *, remembered: bool) -> None:
     """pure_state(x) equals Flax's own answer now; ``remembered``: without a traversal."""
     before = flax.calls
-    got = _nnx_state.pure_state(flax, x)
+    got = nnx_state.pure_state(flax, x)
     assert _same(got, nnx.to_pure_dict(nnx.state(x)))
     assert (flax.calls == before) is remembered
 
@@ -160,7 +161,7 @@ def test_any_change_of_the_graph_goes_through_flax_again(net, change):
     change(net)
     _check(flax, net, remembered=False)
     _check(flax, net, remembered=change not in NEVER_REMEMBERED)  # the new graph is remembered
-    assert (id(net) in _nnx_state._seen) is (change not in NEVER_REMEMBERED)  # else forgotten
+    assert (id(net) in nnx_state._seen) is (change not in NEVER_REMEMBERED)  # else forgotten
 
 
 def test_a_plain_list_that_grows_in_place_goes_through_flax_again(net):
@@ -195,14 +196,14 @@ def test_replays_read_the_attributes_of_modules_without_flax_flatten(net, monkey
     flax = _Counting()
     _check(flax, net, remembered=False)
     flattened = []
-    real = _nnx_state._children
+    real = nnx_state._children
 
     def spy(flax, node, impl):
         if isinstance(node, nnx.Pytree):  # not the pytrees among them (each Pytree's own PytreeState)
             flattened.append(node)
         return real(flax, node, impl)
 
-    monkeypatch.setattr(_nnx_state, "_children", spy)
+    monkeypatch.setattr(nnx_state, "_children", spy)
     _check(flax, net, remembered=True)
     assert flattened == []
     nnx.jit(lambda net, x: net(x))(net, jnp.ones((2, 4)))  # sets every module's attributes anew, in sorted order
@@ -222,11 +223,11 @@ def test_a_plain_array_attribute_is_never_remembered(net):
 
 def test_what_is_remembered_goes_with_the_object():
     net = Net(nnx.Rngs(0))
-    _nnx_state.pure_state(nnx, net)
-    assert len(_nnx_state._seen) == 1
+    nnx_state.pure_state(nnx, net)
+    assert len(nnx_state._seen) == 1
     del net
     gc.collect()
-    assert not _nnx_state._seen
+    assert not nnx_state._seen
 
 
 def test_another_object_at_the_same_address_is_not_taken_for_the_first():
@@ -242,9 +243,9 @@ def test_saves_of_a_checkpoint_in_a_loop_restore_each_step(tmp_path, net, monkey
     what the model and the optimizer replay; and each checkpoint holds its own step."""
     optimizer = nnx.Optimizer(net, optax.adam(1e-2), wrt=nnx.Param)
     ckpt = jaxckpt.Checkpoint(model=net, optimizer=optimizer)
-    _structure.forget()
+    structure.forget()
     full = []
-    monkeypatch.setattr(_structure, "flatten", lambda root: full.append(1) or _tree.flatten(root))
+    monkeypatch.setattr(structure, "flatten", lambda root: full.append(1) or _tree.flatten(root))
 
     @nnx.jit
     def step(net, optimizer, x):
@@ -258,7 +259,7 @@ def test_saves_of_a_checkpoint_in_a_loop_restore_each_step(tmp_path, net, monkey
         params = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(net, nnx.Param)))
         saved.append((path, {k: np.asarray(v) for k, v in params.items()}))
     ckpt.wait_until_finished()
-    assert len(_nnx_state._seen) == 2  # the model and the optimizer
+    assert len(nnx_state._seen) == 2  # the model and the optimizer
     assert len(full) == 2  # the first save's walk stops at the objects not yet remembered; the second remembers
     for path, expected in saved:
         restored = jaxckpt.restore(path)["model"]
@@ -289,9 +290,9 @@ def test_a_get_value_hook_added_after_remembering_is_called():
     flax = _Counting()
     _check(flax, net, remembered=False)
     net.bias.set_metadata("on_get_value", lambda variable, value: value + 7)
-    _values_equal(_nnx_state.pure_state(flax, net), nnx.to_pure_dict(nnx.state(net)))
+    _values_equal(nnx_state.pure_state(flax, net), nnx.to_pure_dict(nnx.state(net)))
     assert flax.calls == 1  # the same graph: replayed, with Flax's get_value where a hook is set
-    np.testing.assert_array_equal(_nnx_state.pure_state(flax, net)["bias"], np.full(4, 7.0, np.float32))
+    np.testing.assert_array_equal(nnx_state.pure_state(flax, net)["bias"], np.full(4, 7.0, np.float32))
 
 
 class DoubledParam(nnx.Param):
@@ -304,7 +305,7 @@ def test_a_variable_class_of_its_own_get_value_is_read_through_it():
     net.scale = DoubledParam(jnp.ones(3))
     flax = _Counting()
     for _ in range(2):  # a new array at each call: never the same leaves as Flax's, so never remembered
-        got = _nnx_state.pure_state(flax, net)
+        got = nnx_state.pure_state(flax, net)
         _values_equal(got, nnx.to_pure_dict(nnx.state(net)))
         np.testing.assert_array_equal(got["scale"], np.full(3, 2.0, np.float32))
     assert flax.calls == 2

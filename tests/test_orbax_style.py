@@ -20,7 +20,7 @@ from flax import nnx
 from guide_model import ToyIterator
 
 import jaxckpt
-from jaxckpt import _storage
+from jaxckpt.storage import locations
 
 
 def _manager(ckpt: jaxckpt.Checkpoint, directory: Path, **kwargs) -> jaxckpt.CheckpointManager:
@@ -177,8 +177,8 @@ def test_delete_in_a_bucket(s3):
         manager.delete(2)
         assert manager.all_steps() == [1]
         manager.wait_until_finished()
-        assert not _storage.is_checkpoint(_storage.location(f"{s3}/ckpt-2"))
-        assert not _storage.children(_storage.location(f"{s3}/ckpt-3"))  # every object gone, the index first
+        assert not locations.is_checkpoint(locations.location(f"{s3}/ckpt-2"))
+        assert not locations.children(locations.location(f"{s3}/ckpt-3"))  # every object gone, the index first
         ckpt.w = jnp.full(2, 5.0)
         manager.save(2)
     assert jaxckpt.latest_checkpoint(s3) == f"{s3}/ckpt-2"

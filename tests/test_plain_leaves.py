@@ -1,5 +1,5 @@
 """Restores take plain leaves (an array template of the stored shape and dtype) by a short path
-(``jaxckpt._templates.check_all``): the same checks, values, dtypes and shardings as the full one,
+(``jaxckpt.reading.templates.check_all``): the same checks, values, dtypes and shardings as the full one,
 which every other leaf still takes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._format import ArrayLeaf, InPack
-from jaxckpt._templates import check_all, target_sharding
+from jaxckpt.format.records import ArrayLeaf, InPack
+from jaxckpt.reading.templates import check_all, target_sharding
 
 
 def _tree():
@@ -101,9 +101,9 @@ def _packed_tree():
 @pytest.fixture
 def one_span_per_leaf(monkeypatch):
     """Packs read in spans: with no gap allowed, every leaf of a pack is its own span."""
-    import jaxckpt._read_plan
+    import jaxckpt.reading.read_plan
 
-    monkeypatch.setattr(jaxckpt._read_plan, "SPAN_GAP", 0)
+    monkeypatch.setattr(jaxckpt.reading.read_plan, "SPAN_GAP", 0)
 
 
 def test_packed_leaves_read_from_many_spans(tmp_path, one_span_per_leaf):

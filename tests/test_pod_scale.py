@@ -15,7 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _format, _save
+from jaxckpt.format import records as _format
+from jaxckpt.saving import pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from simulate_pod import build, restore_own, value
@@ -52,7 +53,7 @@ def test_with_several_devices_per_process_still_one_store(tmp_path):
 
 def test_a_process_reading_two_processes_regions_opens_their_two_stores(tmp_path):
     index = build(tmp_path / "c", 32, 10, me=0, writers=[6, 7])
-    opened = jaxckpt._reader.Opened(tmp_path / "c")
+    opened = jaxckpt.reading.reader.Opened(tmp_path / "c")
     wanted = {k: [(slice(12, 16), slice(0, 16))] for k in index.leaves}  # rows of processes 6 and 7
     got = opened.read_regions(wanted)
     for i, key in enumerate(index.leaves):
@@ -84,8 +85,8 @@ def test_a_layout_gives_the_regions_and_writers_that_jax_gives(spec, order):
         devices = devices[[5, 2, 7, 0, 3, 6, 1, 4]]
     mesh = Mesh(devices.reshape(4, 2), ("x", "y"))
     x = jax.device_put(np.zeros((16, 8), np.float32), NamedSharding(mesh, spec))
-    owners = _save._owners(x)
-    found = _save._layout(x, owners, {})
+    owners = pipeline._owners(x)
+    found = pipeline._layout(x, owners, {})
     assert found is not None
     # As if every device were its own process: the data store then names the device that writes.
     by_device = _format.Layout(
@@ -102,9 +103,9 @@ def test_regions_that_no_layout_gives_are_listed_region_by_region():
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
     x = jax.device_put(np.zeros((16, 8), np.float32), NamedSharding(mesh, P("x")))
     y = jax.device_put(np.zeros((16, 8), np.float32), NamedSharding(mesh, P(None, "y")))
-    assert _save._layout(x, _save._owners(x), {}) is not None
-    assert _save._layout(x, _save._owners(y), {}) is None  # the save then lists x's regions, as version 2 did
-    assert _save._layout(jax.device_put(np.zeros(4), jax.devices()[0]), {((0, 4),): None}, {}) is None
+    assert pipeline._layout(x, pipeline._owners(x), {}) is not None
+    assert pipeline._layout(x, pipeline._owners(y), {}) is None  # the save then lists x's regions, as version 2 did
+    assert pipeline._layout(jax.device_put(np.zeros(4), jax.devices()[0]), {((0, 4),): None}, {}) is None
 
 
 def test_equal_meshes_are_recorded_once():
@@ -112,7 +113,9 @@ def test_equal_meshes_are_recorded_once():
     x = jax.device_put(np.zeros((16, 8), np.float32), NamedSharding(Mesh(devices, ("x", "y")), P("x")))
     y = jax.device_put(np.zeros((8, 8), np.float32), NamedSharding(Mesh(devices.copy(), ("x", "y")), P("y")))
     meshes = {}
-    assert _save._layout(x, _save._owners(x), meshes).mesh is _save._layout(y, _save._owners(y), meshes).mesh
+    assert (
+        pipeline._layout(x, pipeline._owners(x), meshes).mesh is pipeline._layout(y, pipeline._owners(y), meshes).mesh
+    )
 
 
 # --- crafted layouts: refused, never obeyed -------------------------------------------------------

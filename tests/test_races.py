@@ -21,16 +21,17 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _local_tree, _storage, _zarr_local, _zarr_meta
+from jaxckpt.arrays import zarr_local, zarr_meta
+from jaxckpt.storage import local_tree, locations
 
 WRITER = textwrap.dedent(
     """
     import sys
     import numpy as np
     import jaxckpt
-    from jaxckpt import _zarr_meta
+    from jaxckpt.arrays import zarr_meta
 
-    _zarr_meta.INNER_CHUNK_LIMIT = 4096  # many small chunks, each read on its own
+    zarr_meta.INNER_CHUNK_LIMIT = 4096  # many small chunks, each read on its own
     directory, saves = sys.argv[1], int(sys.argv[2])
     ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros((512, 1024), np.float32))
     with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=1, step_counter="step", async_save=False) as m:
@@ -66,7 +67,7 @@ def _race(tmp_path, saves: int) -> collections.Counter:
 
 
 def test_restores_racing_retention_return_saved_values_or_raise(tmp_path, monkeypatch):
-    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 4096)
+    monkeypatch.setattr(zarr_meta, "INNER_CHUNK_LIMIT", 4096)
     outcomes = _race(tmp_path, saves=40)
     print(f"\nrace: restores while retention deletes: {dict(outcomes)}, 0 wrong")
     assert outcomes["ok"] > 0
@@ -74,7 +75,7 @@ def test_restores_racing_retention_return_saved_values_or_raise(tmp_path, monkey
 
 @pytest.mark.stress
 def test_restores_racing_retention_stress(tmp_path, monkeypatch, stress_scale):
-    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 4096)
+    monkeypatch.setattr(zarr_meta, "INNER_CHUNK_LIMIT", 4096)
     outcomes = _race(tmp_path, saves=400 * stress_scale)
     print(f"\nrace (stress): restores while retention deletes: {dict(outcomes)}, 0 wrong")
 
@@ -106,7 +107,7 @@ def _saved_by(restored: dict) -> int:
 def _overwrite_on_first_open(monkeypatch, path, tree) -> None:
     """Overwrite the checkpoint at ``path`` with ``tree`` just after a restore has read its index and
     its packs, before it opens the first of its arrays."""
-    original = _zarr_local.LocalReader.open_array
+    original = zarr_local.LocalReader.open_array
     done = []
 
     def open_array(self, *args, **kwargs):
@@ -115,7 +116,7 @@ def _overwrite_on_first_open(monkeypatch, path, tree) -> None:
             jaxckpt.save(path, tree, overwrite=True)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(_zarr_local.LocalReader, "open_array", open_array)
+    monkeypatch.setattr(zarr_local.LocalReader, "open_array", open_array)
 
 
 def test_restore_overwritten_mid_read_is_one_save_or_an_error(tmp_path, monkeypatch):
@@ -137,7 +138,7 @@ def test_restore_overwritten_mid_read_reads_the_folder_it_opened(tmp_path, monke
     path = tmp_path / "ckpt"
     jaxckpt.save(path, _tree(1))
     removals = []
-    monkeypatch.setattr(_local_tree, "remove_local", lambda *args, **kwargs: removals.append((args, kwargs)))
+    monkeypatch.setattr(local_tree, "remove_local", lambda *args, **kwargs: removals.append((args, kwargs)))
     _overwrite_on_first_open(monkeypatch, path, _tree(2))
     assert _saved_by(jaxckpt.restore(path)) == 1
     assert removals  # the old folder was swapped out, to be removed
@@ -148,8 +149,8 @@ def test_the_size_check_measures_the_folder_it_reads(tmp_path, monkeypatch):
     not in a smaller checkpoint renamed to the path since (a false 'truncated', then 'replaced')."""
     path = tmp_path / "ckpt"
     jaxckpt.save(path, _tree(1))
-    monkeypatch.setattr(_local_tree, "remove_local", lambda *args, **kwargs: None)  # the old folder stays
-    original = _local_tree.usage
+    monkeypatch.setattr(local_tree, "remove_local", lambda *args, **kwargs: None)  # the old folder stays
+    original = local_tree.usage
     done = []
 
     def usage(*args, **kwargs):
@@ -158,7 +159,7 @@ def test_the_size_check_measures_the_folder_it_reads(tmp_path, monkeypatch):
             jaxckpt.save(path, {"step": 2}, overwrite=True)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_local_tree, "usage", usage)
+    monkeypatch.setattr(local_tree, "usage", usage)
     assert _saved_by(jaxckpt.restore(path)) == 1
     assert done
 
@@ -199,7 +200,7 @@ def test_a_folder_swapped_out_before_its_index_is_read_opens_the_new_one(tmp_pat
     open has no index left: the checkpoint now at the path is opened instead, and read whole."""
     path = tmp_path / "ckpt"
     jaxckpt.save(path, _tree(1))
-    original = _storage.read_index_bytes
+    original = locations.read_index_bytes
     done = []
 
     def read_index_bytes(*args, **kwargs):
@@ -208,7 +209,7 @@ def test_a_folder_swapped_out_before_its_index_is_read_opens_the_new_one(tmp_pat
             jaxckpt.save(path, _tree(2), overwrite=True)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_storage, "read_index_bytes", read_index_bytes)
+    monkeypatch.setattr(locations, "read_index_bytes", read_index_bytes)
     assert _saved_by(jaxckpt.restore(path)) == 2
 
 

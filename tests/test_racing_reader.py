@@ -151,7 +151,7 @@ def _tree(step):
 def replaced_on_read(monkeypatch):
     """Each of the next ``times[0]`` loads first saves the checkpoint anew (``overwrite=True``), as
     another process would between this one's opening of the index and its reading of the data."""
-    from jaxckpt._reader import Opened
+    from jaxckpt.reading.reader import Opened
 
     real = Opened.load
     times = [0]
@@ -197,7 +197,7 @@ def test_a_checkpoint_replaced_under_every_read_is_an_error_that_says_so(tmp_pat
 def trainer_saves_on_read(monkeypatch, tmp_path):
     """A trainer's manager keeping one checkpoint; each of the next ``times[0]`` loads first lets it
     save the next step, which deletes the checkpoint being read (as another process would)."""
-    from jaxckpt._reader import Opened
+    from jaxckpt.reading.reader import Opened
 
     ckpt = jaxckpt.Checkpoint(tree=_tree(1))
     trainer = jaxckpt.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=1)

@@ -1,4 +1,4 @@
-"""Retention deletes in the background (jaxckpt._retention.Deleter), on local disk and on s3:// (moto).
+"""Retention deletes in the background (jaxckpt.manager.retention.Deleter), on local disk and on s3:// (moto).
 
 A save returns before the checkpoints it dropped are deleted; while one is half deleted, nothing
 takes it for a checkpoint; a process killed in the middle of deleting leaves only garbage, which
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _retention, _statefile, _storage
+from jaxckpt.manager import retention
+from jaxckpt.storage import locations, statefile
 
 # Three leaves over the packing limit (each its own array: several objects per checkpoint), one packed.
 ROWS = 300_000
@@ -39,7 +40,7 @@ def _check_whole(path: str, step: int) -> None:
 
 def _names(directory: str) -> list[str]:
     """What the manager's directory holds (the lock file aside), local or in the bucket."""
-    return sorted(n for n in _storage.children(_storage.location(directory)) if n != "checkpoint.lock")
+    return sorted(n for n in locations.children(locations.location(directory)) if n != "checkpoint.lock")
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -51,28 +52,28 @@ def directory(request, tmp_path):
 
 def test_deletes_run_after_the_save_and_a_half_deleted_checkpoint_is_none(directory, monkeypatch):
     halfway, release = threading.Event(), threading.Event()
-    real_rest, real_renamed = _retention._delete_rest, _retention._delete_renamed
+    real_rest, real_renamed = retention._delete_rest, retention._delete_renamed
 
     def held(real):
         def delete(target):  # the index is gone (bucket) or the folder renamed away (local): half, then wait
-            if _storage.location(target).local is not None:
+            if locations.location(target).local is not None:
                 files = sorted(p for p in target.rglob("*") if p.is_file())
                 for f in files[: len(files) // 2]:
                     f.unlink()
             else:
-                from jaxckpt import _kvstore
+                from jaxckpt.storage import kvstore
 
-                keys = _kvstore.kv_keys(target.spec())
+                keys = kvstore.kv_keys(target.spec())
                 for key in keys[: len(keys) // 2]:
-                    _kvstore.kv_delete(target.spec(), key)
+                    kvstore.kv_delete(target.spec(), key)
             halfway.set()
             assert release.wait(120), "the test never released the deletion"
             real(target)
 
         return delete
 
-    monkeypatch.setattr(_retention, "_delete_rest", held(real_rest))
-    monkeypatch.setattr(_retention, "_delete_renamed", held(real_renamed))
+    monkeypatch.setattr(retention, "_delete_rest", held(real_rest))
+    monkeypatch.setattr(retention, "_delete_renamed", held(real_renamed))
     ckpt = _ckpt()
     manager = jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=2, step_counter="step", async_save=False)
     try:
@@ -86,14 +87,14 @@ def test_deletes_run_after_the_save_and_a_half_deleted_checkpoint_is_none(direct
         kept = [f"{directory}/ckpt-{n}" for n in (2, 3)]
         assert manager.checkpoints == kept
         assert manager.latest_checkpoint == kept[-1] == jaxckpt.latest_checkpoint(directory)
-        assert _statefile.read_state(directory) == manager.checkpoint_infos
+        assert statefile.read_state(directory) == manager.checkpoint_infos
         for step, path in zip((2, 3), kept):
             _check_whole(path, step)
         with pytest.raises(jaxckpt.CheckpointNotFoundError):  # half deleted: no index, no checkpoint
             jaxckpt.restore(f"{directory}/ckpt-1")
         if not directory.startswith("s3://"):
             assert "ckpt-1" not in _names(directory)  # renamed away when the save returned
-        assert not _storage.is_checkpoint(_storage.location(directory) / "ckpt-1")
+        assert not locations.is_checkpoint(locations.location(directory) / "ckpt-1")
         release.set()
         manager.wait_until_finished()
         assert _names(directory) == ["checkpoint", "ckpt-2", "ckpt-3"]
@@ -107,7 +108,8 @@ WORKER = textwrap.dedent(
     import os, signal, sys
     import numpy as np
     import jaxckpt
-    from jaxckpt import _kvstore, _retention
+    from jaxckpt.manager import retention
+    from jaxckpt.storage import kvstore
 
     directory, hook = sys.argv[1], sys.argv[2]
     ROWS = int(sys.argv[3])
@@ -116,9 +118,9 @@ WORKER = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     def half_then_die_bucket(spec):  # the deletion of a prefix, one request per object
-        keys = sorted(_kvstore.kv_keys(spec))
+        keys = sorted(kvstore.kv_keys(spec))
         for key in keys[: len(keys) // 2]:
-            _kvstore.kv_delete(spec, key)
+            kvstore.kv_delete(spec, key)
         die()
 
     def half_then_die_local(hidden):  # renamed away already
@@ -128,9 +130,9 @@ WORKER = textwrap.dedent(
         die()
 
     if hook == "before-deleting":  # the state file dropped ckpt-1; nothing of it is deleted yet
-        _retention._erase = die
+        retention._erase = die
     else:
-        _kvstore.kv_delete_all, _retention._delete_renamed = half_then_die_bucket, half_then_die_local
+        kvstore.kv_delete_all, retention._delete_renamed = half_then_die_bucket, half_then_die_local
     ckpt = jaxckpt.Checkpoint(step=0, **{f"w{i}": np.zeros(ROWS, np.float32) for i in range(3)}, b=np.arange(10))
     with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=2, step_counter="step") as manager:
         for step in (1, 2, 3):
@@ -158,12 +160,12 @@ def test_a_kill_while_deleting_leaves_only_the_kept_checkpoints(directory, hook,
     kept = [f"{directory}/ckpt-{n}" for n in (2, 3)]
     # Killed in the middle of deleting ckpt-1: the state file lists the kept ones, each whole, and
     # what is left of ckpt-1 is no checkpoint (renamed away, or without its index), or is marked.
-    assert [c.path for c in _statefile.read_state(directory)] == kept
+    assert [c.path for c in statefile.read_state(directory)] == kept
     assert jaxckpt.latest_checkpoint(directory) == kept[-1]
     for step, path in zip((2, 3), kept):
         _check_whole(path, step)
-    left = _storage.location(directory) / "ckpt-1"
-    assert not _storage.is_checkpoint(left) or _retention.is_marked(left)
+    left = locations.location(directory) / "ckpt-1"
+    assert not locations.is_checkpoint(left) or retention.is_marked(left)
     # The next manager lists exactly the kept ones, removes the rest, and goes on.
     ckpt = _ckpt()
     with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=2, step_counter="step") as manager:
@@ -178,7 +180,7 @@ def test_a_kill_while_deleting_leaves_only_the_kept_checkpoints(directory, hook,
 
 def test_a_number_saved_again_while_its_old_checkpoint_is_deleted_waits_for_the_deletion(directory, monkeypatch):
     release = threading.Event()
-    real_erase, real_wait = _retention._erase, _retention.Deleter.wait
+    real_erase, real_wait = retention._erase, retention.Deleter.wait
 
     def held_erase(target):
         assert release.wait(120), "the save never waited for the deletion"
@@ -188,8 +190,8 @@ def test_a_number_saved_again_while_its_old_checkpoint_is_deleted_waits_for_the_
         release.set()  # the save waits for the deletion of the name it reuses: let it finish
         real_wait(self)
 
-    monkeypatch.setattr(_retention, "_erase", held_erase)
-    monkeypatch.setattr(_retention.Deleter, "wait", wait)
+    monkeypatch.setattr(retention, "_erase", held_erase)
+    monkeypatch.setattr(retention.Deleter, "wait", wait)
     ckpt = _ckpt()
     with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=1, step_counter="step", async_save=False) as manager:
         for step in (1, 2):

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _zarr_meta
+from jaxckpt.arrays import zarr_meta
 
 
 def mesh(shape, names=("x", "y"), devices=None):
@@ -51,8 +51,8 @@ def test_chunks_follow_the_shards(tmp_path, state, small_packs):
         shards[key] = store.chunk_layout.write_chunk.shape
         inner[key] = store.chunk_layout.read_chunk.shape
         assert list(shards[key]) == leaf["at"]["chunks"], key
-        itemsize = _zarr_meta.numpy_dtype(leaf["at"]["stored"]).itemsize
-        assert inner[key] == _zarr_meta.inner_chunk_shape(shards[key], itemsize), key
+        itemsize = zarr_meta.numpy_dtype(leaf["at"]["stored"]).itemsize
+        assert inner[key] == zarr_meta.inner_chunk_shape(shards[key], itemsize), key
         files = sorted(str(p.relative_to(folder)) for p in (folder / "c").rglob("*") if p.is_file())
         grid = [64 // shards[key][0], 32 // shards[key][1]]
         assert files == [f"c/{i}/{j}" for i in range(grid[0]) for j in range(grid[1])], (key, files)

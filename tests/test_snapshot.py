@@ -1,4 +1,4 @@
-"""The caller's part of a save (jaxckpt._snapshot, and flatten's shortcuts): the same leaves, the
+"""The caller's part of a save (jaxckpt.saving.snapshot, and flatten's shortcuts): the same leaves, the
 same refusals, as the long way round."""
 
 import jax
@@ -57,7 +57,7 @@ def test_the_collector_runs_again_once_the_background_has_recorded(tmp_path):
     took (so the put-off collection is not the caller's), and no longer; a pause the user made stays."""
     import gc
 
-    from jaxckpt import _save
+    from jaxckpt.saving import pipeline
 
     tree = {f"l{i}": np.full(3, i, np.float32) for i in range(100)}
     assert gc.isenabled()
@@ -66,7 +66,7 @@ def test_the_collector_runs_again_once_the_background_has_recorded(tmp_path):
     assert gc.isenabled()
     jaxckpt.save(tmp_path / "b", tree)
     assert gc.isenabled()
-    prepared = _save.prepare(tmp_path / "c", tree)
+    prepared = pipeline.prepare(tmp_path / "c", tree)
     assert not gc.isenabled()  # until recorded
     del prepared  # dropped unwritten (a multi-process save whose agreement failed)
     assert gc.isenabled()
@@ -83,7 +83,7 @@ def test_the_collector_runs_again_once_the_background_has_recorded(tmp_path):
 def test_the_view_of_an_array_on_one_cpu_device_is_its_buffer_and_holds_it(dtype):
     import jax.numpy as jnp
 
-    from jaxckpt._snapshot import one_cpu_view
+    from jaxckpt.saving.snapshot import one_cpu_view
 
     x = jax.device_put(np.arange(-4, 4).astype(jnp.dtype(dtype)), jax.devices()[0])
     expected = np.asarray(x).copy()

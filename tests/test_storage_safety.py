@@ -13,7 +13,8 @@ import pytest
 import tensorstore as ts
 
 import jaxckpt
-from jaxckpt import _local_tree, _staging, _storage
+from jaxckpt.saving import staging as _staging
+from jaxckpt.storage import local_tree, locations
 
 TREE = {"x": np.arange(6, dtype=np.float32), "big": np.ones((64, 64), np.float32)}
 
@@ -22,13 +23,13 @@ TREE = {"x": np.arange(6, dtype=np.float32), "big": np.ones((64, 64), np.float32
 
 
 def _kv(path):
-    return ts.KvStore.open(_storage.location(path).spec(), context=_tensorstore_context()).result()
+    return ts.KvStore.open(locations.location(path).spec(), context=_tensorstore_context()).result()
 
 
 def _tensorstore_context():
-    from jaxckpt import _tensorstore
+    from jaxckpt.arrays import store_write
 
-    return _tensorstore._context()  # memory:// stores live in jaxckpt's context
+    return store_write._context()  # memory:// stores live in jaxckpt's context
 
 
 @pytest.mark.parametrize("folder", ["data", "data.p1"])
@@ -43,7 +44,7 @@ def test_save_into_a_prefix_with_a_users_data_folder_is_refused_and_keeps_it(fol
 
 def test_memory_save_leaves_no_marker_and_overwrite_still_works():
     path = jaxckpt.save("memory://marker/c", TREE)
-    assert _storage.children(_storage.location(path)) == ["data", "index.json"]
+    assert locations.children(locations.location(path)) == ["data", "index.json"]
     jaxckpt.save(path, {"y": 1}, overwrite=True)
     assert jaxckpt.restore(path) == {"y": 1}
 
@@ -81,7 +82,7 @@ def test_index_symlinked_to_dev_zero_is_a_format_error(tmp_path):
 def test_state_file_symlinked_to_dev_zero_is_a_format_error(tmp_path):
     (tmp_path / "checkpoint").symlink_to("/dev/zero")
     with pytest.raises(jaxckpt.CheckpointFormatError, match="not a regular file"):
-        _storage.read_file(_storage.location(tmp_path), "checkpoint")
+        locations.read_file(locations.location(tmp_path), "checkpoint")
 
 
 def test_fifo_index_does_not_hang(tmp_path):
@@ -102,18 +103,18 @@ def test_fifo_index_does_not_hang(tmp_path):
 
 
 def test_oversized_files_are_refused_by_size(tmp_path, monkeypatch):
-    folder = _storage.location(tmp_path)
+    folder = locations.location(tmp_path)
     (tmp_path / "checkpoint").write_bytes(b"x" * 2000)
     with pytest.raises(jaxckpt.CheckpointFormatError, match=r"2,000 bytes.*limit of 1,000 bytes"):
-        _storage.read_file(folder, "checkpoint", limit=1000)
-    assert _storage.read_file(folder, "checkpoint", limit=2000) == b"x" * 2000
-    mem = _storage.location("memory://oversized")
+        locations.read_file(folder, "checkpoint", limit=1000)
+    assert locations.read_file(folder, "checkpoint", limit=2000) == b"x" * 2000
+    mem = locations.location("memory://oversized")
     _kv("memory://oversized").write("checkpoint", b"x" * 2000).result()
     with pytest.raises(jaxckpt.CheckpointFormatError, match="limit of 1,000 bytes"):
-        _storage.read_file(mem, "checkpoint", limit=1000)
-    assert _storage.read_file(mem, "checkpoint", limit=2000) == b"x" * 2000
-    assert _storage.read_file(mem, "absent", limit=10) is None
-    monkeypatch.setattr(_storage, "INDEX_READ_LIMIT", 100)
+        locations.read_file(mem, "checkpoint", limit=1000)
+    assert locations.read_file(mem, "checkpoint", limit=2000) == b"x" * 2000
+    assert locations.read_file(mem, "absent", limit=10) is None
+    monkeypatch.setattr(locations, "INDEX_READ_LIMIT", 100)
     path = jaxckpt.save(tmp_path / "c", TREE)
     with pytest.raises(jaxckpt.CheckpointFormatError, match=r"index\.json.*limit of 100 bytes"):
         jaxckpt.restore(path)
@@ -162,27 +163,27 @@ def _staging_folders(tmp_path):
 
 
 def test_keyboard_interrupt_during_a_blocking_save_removes_its_staging(tmp_path, monkeypatch):
-    from jaxckpt import _tensorstore
+    from jaxckpt.arrays import store_write
 
-    real_flush = _tensorstore.Writer.flush
+    real_flush = store_write.Writer.flush
 
     def interrupted(self):
         real_flush(self)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_tensorstore.Writer, "flush", interrupted)
+    monkeypatch.setattr(store_write.Writer, "flush", interrupted)
     with pytest.raises(KeyboardInterrupt):
         jaxckpt.save(tmp_path / "c", TREE)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_next_save_removes_a_dead_saves_staging_but_not_a_live_ones(tmp_path):
-    dest = _storage.location(tmp_path / "c")
+    dest = locations.location(tmp_path / "c")
     dead = _staging.staging_folder(dest, "0123456789ab")
     (dead.local / "data").mkdir()
     _staging._release(dead.local)  # as if its process had died: the kernel drops the lock
     live = _staging.staging_folder(dest, "ba9876543210")  # this one stays owned, as by a running save
-    other = _staging.staging_folder(_storage.location(tmp_path / "c-2"), "0123456789ab")
+    other = _staging.staging_folder(locations.location(tmp_path / "c-2"), "0123456789ab")
     _staging._release(other.local)  # stale, but another destination's: not this save's to remove
     jaxckpt.save(tmp_path / "c", TREE)
     assert _staging_folders(tmp_path) == sorted([live.local.name, other.local.name])
@@ -199,8 +200,9 @@ def test_next_save_removes_a_dead_saves_staging_but_not_a_live_ones(tmp_path):
 def test_a_killed_save_leaves_staging_that_the_next_save_removes(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal
-        from jaxckpt import _local_tree, _staging, _storage
-        _staging.staging_folder(_storage.location({str(tmp_path / "c")!r}), "0123456789ab")
+        from jaxckpt.saving import staging as _staging
+        from jaxckpt.storage import local_tree, locations
+        _staging.staging_folder(locations.location({str(tmp_path / "c")!r}), "0123456789ab")
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -215,8 +217,8 @@ def test_a_killed_save_leaves_staging_that_the_next_save_removes(tmp_path):
 
 def test_parents_of_created_folders_are_synced(tmp_path, monkeypatch):
     synced = []
-    real = _storage.fsync_dir
-    monkeypatch.setattr(_storage, "fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
+    real = locations.fsync_dir
+    monkeypatch.setattr(locations, "fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
     jaxckpt.save(tmp_path / "a" / "b" / "c", TREE)
     for parent in (tmp_path, tmp_path / "a", tmp_path / "a" / "b"):
         assert parent in synced
@@ -229,9 +231,9 @@ def test_an_async_save_syncs_no_folder_in_the_callers_thread(tmp_path, monkeypat
 
     jaxckpt.save(tmp_path / "first", TREE)  # the parent folder exists
     caller, synced = threading.current_thread(), []
-    real = _storage.fsync_dir
+    real = locations.fsync_dir
     monkeypatch.setattr(
-        _storage, "fsync_dir", lambda p: (synced.append((threading.current_thread(), Path(p))), real(p))
+        locations, "fsync_dir", lambda p: (synced.append((threading.current_thread(), Path(p))), real(p))
     )
     jaxckpt.save(tmp_path / "c", TREE, blocking=False)
     by_caller = [p for thread, p in synced if thread is caller]
@@ -279,7 +281,7 @@ def _remove_deep(top: Path) -> None:
 
 
 def test_a_folder_nested_1100_levels_deep_is_no_recursion_error(tmp_path, capsys):
-    from jaxckpt import _cli
+    from jaxckpt.tools import cli
 
     directory = tmp_path / "run"
     with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(**TREE), directory, async_save=False) as manager:
@@ -293,7 +295,7 @@ def test_a_folder_nested_1100_levels_deep_is_no_recursion_error(tmp_path, capsys
         with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"/data'.*levels deep"):
             jaxckpt.restore(path)
         for argv in (["verify", str(path)], ["ls", str(directory)]):
-            _cli.main(argv)
+            cli.main(argv)
             out = capsys.readouterr()
             assert "RecursionError" not in out.out + out.err and "Traceback" not in out.err, (argv, out)
     finally:
@@ -304,7 +306,7 @@ def test_a_folder_nested_1100_levels_deep_is_no_recursion_error(tmp_path, capsys
 def test_a_copy_to_the_durable_tier_lists_only_the_checkpoint_s_own_files(tmp_path, what):
     """The two-tier copy lists a local checkpoint's files: no RecursionError (os.walk recursed), and
     never a file through a symlink (it would copy what the link names, from outside the checkpoint)."""
-    from jaxckpt import _copy
+    from jaxckpt.manager import durable_copy
 
     path = Path(jaxckpt.save(tmp_path / "c", TREE))
     outside = tmp_path / "outside"
@@ -322,7 +324,7 @@ def test_a_copy_to_the_durable_tier_lists_only_the_checkpoint_s_own_files(tmp_pa
             folder = folder / "d"
     try:
         with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"levels deep|symbolic link"):
-            _copy.data_files(path)
+            durable_copy.data_files(path)
     finally:
         if deep.exists():
             _remove_deep(deep)
@@ -343,8 +345,8 @@ def test_a_symlinked_data_store_is_neither_walked_nor_counted(tmp_path, monkeypa
         return real_scandir(p)
 
     monkeypatch.setattr(os, "scandir", scandir)
-    for folder in (_storage.location(path), _storage.location(path) / "data"):
-        held = _local_tree.total_bytes(folder)
+    for folder in (locations.location(path), locations.location(path) / "data"):
+        held = local_tree.total_bytes(folder)
         assert held is None or held == (path / "index.json").stat().st_size, folder
     assert not [p for p in scanned if str(outside) in os.path.realpath(p)], scanned
     monkeypatch.undo()
@@ -354,11 +356,11 @@ def test_a_symlinked_data_store_is_neither_walked_nor_counted(tmp_path, monkeypa
 
 def test_a_symlinked_file_in_a_data_store_is_not_counted(tmp_path):
     path = Path(jaxckpt.save(tmp_path / "c", TREE))
-    before = _local_tree.total_bytes(_storage.location(path) / "data")
+    before = local_tree.total_bytes(locations.location(path) / "data")
     outside = tmp_path / "big.bin"
     outside.write_bytes(b"\1" * 100_000)
     (path / "data" / "extra").symlink_to(outside)
-    assert _local_tree.total_bytes(_storage.location(path) / "data") == before
+    assert local_tree.total_bytes(locations.location(path) / "data") == before
 
 
 # --- round three, item 9: a size claim backed by a sparse file ------------------------------------
@@ -387,9 +389,9 @@ def test_a_huge_claim_backed_by_a_sparse_file_allocates_nothing(tmp_path, monkey
     import json
     import zlib
 
-    from jaxckpt import _tensorstore, _zarr_meta
+    from jaxckpt.arrays import store_write, zarr_meta
 
-    monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", 0)  # an array of its own, in data/a/0
+    monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", 0)  # an array of its own, in data/a/0
     path = Path(jaxckpt.save(tmp_path / "c", {"w": np.ones(1000, np.float32)}))
     body = json.loads((path / "index.json").read_text())
     claimed = 1 << 34  # float32: 64 GiB
@@ -399,7 +401,7 @@ def test_a_huge_claim_backed_by_a_sparse_file_allocates_nothing(tmp_path, monkey
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     index = b'{"checksum":"crc32:%08x",' % zlib.crc32(canonical) + canonical[1:] + b"\n"
     (path / "index.json").write_bytes(index)
-    meta = _zarr_meta.metadata([claimed], "float32", [claimed], 4)
+    meta = zarr_meta.metadata([claimed], "float32", [claimed], 4)
     (path / "data" / "a" / "0" / "zarr.json").write_text(json.dumps(meta))
     shard = path / "data" / "a" / "0" / "c" / "0"
     os.truncate(shard, 4 * claimed + 4096)  # 64 GiB that the file system does not hold: a hole
@@ -420,7 +422,7 @@ def test_a_huge_claim_backed_by_a_sparse_file_allocates_nothing(tmp_path, monkey
 def test_real_files_back_their_sizes(tmp_path):
     path = Path(jaxckpt.save(tmp_path / "c", TREE))
     apparent = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    assert _local_tree.total_bytes(_storage.location(path)) == apparent
+    assert local_tree.total_bytes(locations.location(path)) == apparent
     assert jaxckpt.restore(path)["x"].tolist() == TREE["x"].tolist()
 
 
@@ -433,5 +435,5 @@ def test_removing_a_folder_never_follows_a_symlink_inside(tmp_path):
     (folder / "a" / "b" / "x").write_text("x")
     (folder / "a" / "link").symlink_to(outside, target_is_directory=True)
     (folder / "a" / "b" / "file-link").symlink_to(outside / "sub" / "f")
-    _local_tree.rmtree(folder)
+    local_tree.rmtree(folder)
     assert not folder.exists() and (outside / "sub" / "f").read_text() == "mine"

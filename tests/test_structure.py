@@ -1,4 +1,4 @@
-"""A save's quick flatten (jaxckpt._structure): a tree with the structure of the last one flattened in
+"""A save's quick flatten (jaxckpt.tree.structure): a tree with the structure of the last one flattened in
 full gets exactly the keys, nodes and leaves that the full flatten gives it, and every change of
 structure is seen. Then the saves a training loop makes, through the one-pass views of its arrays."""
 
@@ -19,8 +19,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _snapshot, _structure, _tree
 from jaxckpt._errors import UnsupportedValueError
+from jaxckpt.saving import snapshot as _snapshot
+from jaxckpt.tree import objects
+from jaxckpt.tree import structure as _structure
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +39,7 @@ def arrays(n, seed=0):
 
 def as_full_flatten(root):
     """The quick flatten of ``root`` twice (the second from what the first remembered) is the full one."""
-    full = _tree.flatten(root)
+    full = objects.flatten(root)
     for _ in range(2):
         quick = _structure.flatten_saved(root)
         assert quick.nodes == full.nodes
@@ -160,7 +162,7 @@ def test_a_changed_structure_is_flattened_in_full(change):
     tree = {"w": a[0], "sub": [a[1], a[2]]}
     as_full_flatten(tree)
     changed = change(tree)
-    assert as_full_flatten(changed).nodes == _tree.flatten(changed).nodes
+    assert as_full_flatten(changed).nodes == objects.flatten(changed).nodes
 
 
 @pytest.mark.parametrize("key", [True, 1.0], ids=["bool", "float"])
@@ -382,7 +384,7 @@ def test_a_module_whose_state_flax_cannot_read_is_refused_as_in_full(monkeypatch
 
     monkeypatch.setattr(nnx, "state", fails)
     with pytest.raises(UnsupportedValueError, match="no state here") as full:
-        _tree.flatten({"model": model})
+        objects.flatten({"model": model})
     with pytest.raises(UnsupportedValueError) as quick:
         _structure.flatten_saved({"model": model})
     assert str(quick.value) == str(full.value)

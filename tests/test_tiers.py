@@ -1,4 +1,4 @@
-"""Two tiers (jaxckpt._tiers): frequent local checkpoints, durable copies in another folder or a
+"""Two tiers (jaxckpt.manager.tiers): frequent local checkpoints, durable copies in another folder or a
 bucket (s3:// on moto, gs:// on a GCS emulator, both on loopback), restore from the newest; training
 continues bit for bit after each kind of restart."""
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _copy
-from jaxckpt._cli import main
+from jaxckpt.manager import durable_copy
+from jaxckpt.tools.cli import main
 
 STEPS = 16
 
@@ -154,14 +154,14 @@ def test_a_slow_copy_never_blocks_saving(tmp_path, monkeypatch):
     """The copy runs in its own thread: saves return while it is held; the newest due checkpoint is
     copied next, the ones in between are skipped, and local retention keeps what is being copied."""
     gate, started = threading.Event(), threading.Event()
-    real = _copy.copy_checkpoint
+    real = durable_copy.copy_checkpoint
 
     def held(source, dest, **kw):
         started.set()
         assert gate.wait(timeout=60)
         return real(source, dest, **kw)
 
-    monkeypatch.setattr(_copy, "copy_checkpoint", held)
+    monkeypatch.setattr(durable_copy, "copy_checkpoint", held)
     ckpt = _fresh()
     m = _manager(ckpt, tmp_path / "durable", tmp_path / "local", local_policies=jaxckpt.KeepLatest(1))
     try:
@@ -184,7 +184,7 @@ def test_a_slow_copy_never_blocks_saving(tmp_path, monkeypatch):
 
 
 def test_a_failed_copy_warns_and_saving_goes_on(tmp_path, monkeypatch):
-    real = _copy.copy_checkpoint
+    real = durable_copy.copy_checkpoint
     calls = []
 
     def flaky(source, dest, **kw):
@@ -193,7 +193,7 @@ def test_a_failed_copy_warns_and_saving_goes_on(tmp_path, monkeypatch):
             raise jaxckpt.StorageError("the bucket is unreachable", 5)
         return real(source, dest, **kw)
 
-    monkeypatch.setattr(_copy, "copy_checkpoint", flaky)
+    monkeypatch.setattr(durable_copy, "copy_checkpoint", flaky)
     ckpt = _fresh()
     with _manager(ckpt, tmp_path / "durable", tmp_path / "local") as m:
         _train(ckpt, m, 4)
@@ -208,16 +208,16 @@ KILLED_COPY = """
 import os, signal, sys
 import jax.numpy as jnp
 import jaxckpt
-from jaxckpt import _copy
+from jaxckpt.manager import durable_copy
 
-real = _copy._copy_file
+real = durable_copy._copy_file
 count = [0]
 def killing(path, staging, rel):
     count[0] += 1
     if "ckpt-8" in str(path) and count[0] > 1:
         os.kill(os.getpid(), signal.SIGKILL)  # mid-copy of ckpt-8, its first file already there
     return real(path, staging, rel)
-_copy._copy_file = killing
+durable_copy._copy_file = killing
 
 ckpt = jaxckpt.Checkpoint(step=0, w=jnp.zeros(8))
 m = jaxckpt.CheckpointManager(ckpt, sys.argv[1], max_to_keep=2, local_directory=sys.argv[2],
@@ -347,7 +347,7 @@ def test_under_disk_pressure_room_is_counted_in_bytes_a_save_writes_new(tmp_path
 def test_local_retention_lets_go_of_a_checkpoint_once_its_copy_ends(tmp_path, monkeypatch):
     """Local retention keeps a checkpoint while its durable copy runs; when the copy ends, retention
     applies again (before, ckpt-8 stayed in the local tier until the next local save, or for good)."""
-    real_copy, copying, release = _copy.copy_checkpoint, threading.Event(), threading.Event()
+    real_copy, copying, release = durable_copy.copy_checkpoint, threading.Event(), threading.Event()
 
     def held_copy(source, dest, **kw):
         if Path(source).name == "ckpt-8":  # held until the local saves of steps 10 and 12 are recorded
@@ -355,7 +355,7 @@ def test_local_retention_lets_go_of_a_checkpoint_once_its_copy_ends(tmp_path, mo
             assert release.wait(120), "the test never released the copy"
         return real_copy(source, dest, **kw)
 
-    monkeypatch.setattr(_copy, "copy_checkpoint", held_copy)
+    monkeypatch.setattr(durable_copy, "copy_checkpoint", held_copy)
     ckpt = _fresh()
     with _manager(ckpt, tmp_path / "durable", tmp_path / "local") as m:
         _train(ckpt, m, 12)

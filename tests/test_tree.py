@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxckpt
-from jaxckpt import _tree
+from jaxckpt.format.keys import edges_for
 
 
 @pytest.mark.parametrize(
@@ -121,6 +121,6 @@ def test_nnx_optimizer_keys_read_naturally(tmp_path):
 
 def test_edges_are_unique_and_unambiguous():
     keys = ["a/b", "a~1b", "~", "", 0, "0", 1]
-    edges = _tree.edges_for(keys)
+    edges = edges_for(keys)
     assert len(set(edges)) == len(edges)
     assert edges == ["a~1b", "a~01b", "~0", "~e", "~i0", "0", "1"]

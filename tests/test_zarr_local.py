@@ -24,7 +24,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt import _storage, _tensorstore, _verify, _zarr_local, _zarr_meta
+from jaxckpt.arrays import store_write, zarr_local, zarr_meta
+from jaxckpt.storage import locations
+from jaxckpt.tools import verify
 
 _ENTRY = 16  # (offset, size), uint64 little-endian
 _CRC = 4
@@ -55,7 +57,7 @@ def _chunks_per_shard(folder: Path) -> int:
 def _entries(file: Path, chunks: int) -> np.ndarray:
     raw = file.read_bytes()
     index = raw[-(chunks * _ENTRY + _CRC) : -_CRC]
-    assert _zarr_local.crc_bytes(memoryview(index)) == raw[-_CRC:], "the shard index fails its checksum"
+    assert zarr_local.crc_bytes(memoryview(index)) == raw[-_CRC:], "the shard index fails its checksum"
     return np.frombuffer(index, "<u8").reshape(chunks, 2).copy()
 
 
@@ -63,7 +65,7 @@ def _write_entries(file: Path, entries: np.ndarray) -> None:
     """Replace the shard's index, with a valid checksum (as a crafted file would have)."""
     raw = file.read_bytes()
     index = entries.astype("<u8").tobytes()
-    file.write_bytes(raw[: -(len(index) + _CRC)] + index + _zarr_local.crc_bytes(memoryview(index)))
+    file.write_bytes(raw[: -(len(index) + _CRC)] + index + zarr_local.crc_bytes(memoryview(index)))
 
 
 def _ts_read(folder: Path) -> np.ndarray:
@@ -104,7 +106,7 @@ def _refused(path: Path, tree: dict, key: str, match: str) -> None:
         jaxckpt.restore(path, like={k: np.zeros_like(v) for k, v in tree.items()}, partial=True)
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=rf"'{key}'.*{match}"):
         jaxckpt.load_variable(path, key)
-    result = _verify.verify(str(path))
+    result = verify.verify(str(path))
     assert [k for k, _ in result.damaged] == [key] and not result.ok
     for other in tree:
         if other != key:
@@ -203,7 +205,7 @@ def test_an_inner_chunk_with_a_flipped_byte_is_refused(tmp_path, small_inner_chu
         _ts_read(_folder(path, "w"))
     # A region that does not touch the damaged chunk still reads (each inner chunk has its own checksum).
     rows = slice(24, 32) if chunk == 0 else slice(0, 8)
-    from jaxckpt._reader import Opened
+    from jaxckpt.reading.reader import Opened
 
     got = Opened(path).read_regions({"w": [(rows, slice(0, 32))]})["w"][0]
     _same_bits(got, tree["w"][rows])
@@ -227,41 +229,41 @@ def test_a_flipped_byte_in_a_packed_leaf_names_that_leaf(tmp_path, small_inner_c
 def small_read_pieces(monkeypatch):
     """Inner chunks read and checksummed 100 bytes at a time: a 1 KiB chunk is 10 pieces and a short
     one, none of them aligned to its elements."""
-    monkeypatch.setattr(_zarr_local, "READ_PIECE", 100)
+    monkeypatch.setattr(zarr_local, "READ_PIECE", 100)
 
 
 def _chunk_file(tmp_path: Path, data: bytes, stored: bytes | None = None) -> int:
     """A file of 7 bytes, then ``data`` and its CRC-32C (or ``stored``), opened for reading."""
     file = tmp_path / "chunk"
-    file.write_bytes(b"x" * 7 + data + (_zarr_local.crc_bytes(memoryview(data)) if stored is None else stored))
+    file.write_bytes(b"x" * 7 + data + (zarr_local.crc_bytes(memoryview(data)) if stored is None else stored))
     return os.open(file, os.O_RDONLY)
 
 
 @pytest.mark.parametrize("piece", [1, 7, 100, 1024, 1027, 1 << 20])
 @pytest.mark.parametrize("size", [0, 1, 1024, 1027])
 def test_a_chunk_read_in_pieces_has_the_crc_of_the_whole(tmp_path, monkeypatch, piece, size):
-    monkeypatch.setattr(_zarr_local, "READ_PIECE", piece)
+    monkeypatch.setattr(zarr_local, "READ_PIECE", piece)
     data = np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes()
     fd = _chunk_file(tmp_path, data)
     into = np.full(size, 0xAA, np.uint8)
     try:
-        crc = _zarr_local._read_chunk(fd, memoryview(into), 7, True)
+        crc = zarr_local._read_chunk(fd, memoryview(into), 7, True)
     finally:
         os.close(fd)
-    assert crc == _zarr_local.crc32c_of(data) and into.tobytes() == data
+    assert crc == zarr_local.crc32c_of(data) and into.tobytes() == data
 
 
 @pytest.mark.parametrize("where", [0, 99, 100, 550, 1000, 1023, "checksum"])
 def test_a_flipped_byte_in_any_piece_of_a_chunk_fails_its_checksum(tmp_path, small_read_pieces, where):
     data = bytearray(np.random.default_rng(3).integers(0, 256, 1024, np.uint8).tobytes())
-    stored = bytearray(_zarr_local.crc_bytes(memoryview(bytes(data))))
+    stored = bytearray(zarr_local.crc_bytes(memoryview(bytes(data))))
     if where == "checksum":
         stored[3] ^= 0x40
     else:
         data[where] ^= 0x01
     fd = _chunk_file(tmp_path, bytes(data), bytes(stored))
     try:
-        assert _zarr_local._read_chunk(fd, memoryview(bytearray(1024)), 7, True) is None
+        assert zarr_local._read_chunk(fd, memoryview(bytearray(1024)), 7, True) is None
     finally:
         os.close(fd)
 
@@ -273,7 +275,7 @@ def test_a_chunk_cut_short_in_any_piece_is_not_read(tmp_path, small_read_pieces,
     fd = _chunk_file(tmp_path, data)
     os.truncate(tmp_path / "chunk", keep)
     try:
-        assert _zarr_local._read_chunk(fd, memoryview(bytearray(1024)), 7, True) is None
+        assert zarr_local._read_chunk(fd, memoryview(bytearray(1024)), 7, True) is None
     finally:
         os.close(fd)
 
@@ -283,7 +285,7 @@ def test_arrays_read_in_pieces_of_odd_sizes(tmp_path, small_packs, small_inner_c
     values = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
     path = Path(jaxckpt.save(tmp_path / "c", {"w": values}))
     _same_bits(jaxckpt.restore(path)["w"], values)
-    assert _verify.verify(str(path)).ok
+    assert verify.verify(str(path)).ok
 
 
 @pytest.mark.parametrize("at", [0, 150, 1020, "its checksum"])
@@ -333,7 +335,7 @@ def test_an_array_of_prime_size_is_padded_to_whole_inner_chunks(tmp_path, small_
     _same_bits(jaxckpt.restore(path)["w"], values)
     _same_bits(_ts_read(folder), values)
     _same_bits(jaxckpt.load_variable(path, "w")[n - 7 :], values[n - 7 :])
-    assert _verify.verify(str(path)).ok
+    assert verify.verify(str(path)).ok
 
 
 @pytest.mark.parametrize("shape", [(1009, 8), (8, 1009), (1031, 3, 5), (7, 1013)])
@@ -341,17 +343,17 @@ def test_arrays_of_prime_sizes_with_small_inner_chunks(tmp_path, small_packs, sm
     values = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
     path = Path(jaxckpt.save(tmp_path / "c", {"w": values}))
     at = _index(path)["leaves"]["w"]["at"]
-    assert at["chunks"] == list(_zarr_meta.shard_shape(shape, shape, 4))
+    assert at["chunks"] == list(zarr_meta.shard_shape(shape, shape, 4))
     assert all(c >= n for c, n in zip(at["chunks"], shape))
     folder = _folder(path, "w")
     _same_bits(_ts_read(folder), values)
     _same_bits(jaxckpt.restore(path)["w"], values)
-    from jaxckpt._reader import Opened
+    from jaxckpt.reading.reader import Opened
 
     rows = slice(shape[0] - 3, shape[0])  # the rows in the padded inner chunk
     got = Opened(path).read_regions({"w": [(rows, *[slice(None)] * (len(shape) - 1))]})["w"][0]
     _same_bits(got, values[rows])
-    assert _verify.verify(str(path)).ok
+    assert verify.verify(str(path)).ok
 
 
 def _int4(values):
@@ -390,7 +392,7 @@ def test_own_arrays_are_read_by_tensorstore_alone_bit_for_bit(tmp_path, small_pa
     restored = jaxckpt.restore(path)["x"]
     _same_bits(restored, value)
     assert type(restored) is type(value)
-    assert _verify.verify(str(path)).ok
+    assert verify.verify(str(path)).ok
 
 
 def test_a_pack_is_read_by_tensorstore_alone(tmp_path):
@@ -433,7 +435,7 @@ def _mesh(shape, names, devices=None):
 def test_a_region_restore_onto_another_mesh_reads_partial_inner_chunks(tmp_path, monkeypatch, small_packs, target):
     """Saved over a (4, 2) mesh: shards of (24, 16), inner chunks of (12, 16) (768 bytes at most).
     The target's regions start and end inside inner chunks: each is read whole, checked, and cut."""
-    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 768)
+    monkeypatch.setattr(zarr_meta, "INNER_CHUNK_LIMIT", 768)
     values = np.random.default_rng(5).standard_normal((96, 32)).astype(np.float32)
     saved = jax.device_put(values, NamedSharding(_mesh((4, 2), ("x", "y")), P("x", "y")))
     path = Path(jaxckpt.save(tmp_path / "c", {"w": saved}))
@@ -443,13 +445,13 @@ def test_a_region_restore_onto_another_mesh_reads_partial_inner_chunks(tmp_path,
     assert len(_shards(folder)) == 8
     sharding = target()
     partial = []
-    real = _zarr_local.LocalReader._read_part
+    real = zarr_local.LocalReader._read_part
 
     def recording(self, array, plan):
         partial.append(any(not piece.direct for piece in plan.pieces))
         return real(self, array, plan)
 
-    monkeypatch.setattr(_zarr_local.LocalReader, "_read_part", recording)
+    monkeypatch.setattr(zarr_local.LocalReader, "_read_part", recording)
     restored = jaxckpt.restore(path, like={"w": jax.ShapeDtypeStruct((96, 32), np.float32, sharding=sharding)})
     assert restored["w"].sharding == sharding
     _same_bits(np.asarray(restored["w"]), values)
@@ -460,7 +462,7 @@ def test_a_region_restore_onto_another_mesh_reads_partial_inner_chunks(tmp_path,
 
 def test_damage_in_an_inner_chunk_read_in_part_is_refused(tmp_path, monkeypatch, small_packs):
     """A region that wants a few rows of a damaged inner chunk reads it whole, and checks it."""
-    monkeypatch.setattr(_zarr_meta, "INNER_CHUNK_LIMIT", 768)
+    monkeypatch.setattr(zarr_meta, "INNER_CHUNK_LIMIT", 768)
     values = np.random.default_rng(6).standard_normal((96, 32)).astype(np.float32)
     path = Path(jaxckpt.save(tmp_path / "c", {"w": values}))
     folder = _folder(path, "w")
@@ -471,7 +473,7 @@ def test_damage_in_an_inner_chunk_read_in_part_is_refused(tmp_path, monkeypatch,
     raw = bytearray(shard.read_bytes())
     raw[int(offset) + 32 * 4 * 5 + 3] ^= 0x80  # in row 17, which the region below does not want
     shard.write_bytes(bytes(raw))
-    from jaxckpt._reader import Opened
+    from jaxckpt.reading.reader import Opened
 
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*fails its checksum"):
         Opened(path).read_regions({"w": [(slice(13, 15), slice(3, 9))]})["w"][0]
@@ -487,7 +489,7 @@ def test_damage_in_an_inner_chunk_read_in_part_is_refused(tmp_path, monkeypatch,
 
 def _copy_down(source: str, target: Path) -> list[str]:
     """Copy every object under ``source`` (a kvstore folder) to the local folder ``target``."""
-    kv = ts.KvStore.open(_storage.location(source).spec(), context=_tensorstore._context()).result()
+    kv = ts.KvStore.open(locations.location(source).spec(), context=store_write._context()).result()
     keys = sorted(k.decode() for k in kv.list().result())
     for key in keys:
         (target / key).parent.mkdir(parents=True, exist_ok=True)
@@ -520,8 +522,8 @@ LAYOUTS = [
 @pytest.mark.parametrize("packed", LAYOUTS)
 def test_s3_writes_the_layout_the_local_reader_reads(tmp_path, monkeypatch, s3, local_packing, packed):
     if not packed:
-        monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
-        monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(store_write, "BUCKET_PACK_LEAF_LIMIT", -1)
     tree = _tree_for_layout(packed)
     local = Path(jaxckpt.save(tmp_path / "local", tree))
     remote = jaxckpt.save(f"{s3}/c", tree)
@@ -535,7 +537,7 @@ def test_s3_writes_the_layout_the_local_reader_reads(tmp_path, monkeypatch, s3, 
     restored = jaxckpt.restore(down)  # jaxckpt's own reader, on files TensorStore wrote
     for key, value in tree.items():
         _same_bits(restored[key], np.asarray(value))
-    assert _verify.verify(str(down)).ok
+    assert verify.verify(str(down)).ok
     # Damage in what TensorStore wrote is found by jaxckpt's reader too.
     (shard,) = _shards(_folder(down, "big"))
     raw = bytearray(shard.read_bytes())
@@ -549,7 +551,7 @@ def test_what_jaxckpt_writes_locally_reads_on_s3(tmp_path, s3):
     """The other way: local files, uploaded as they are, read by TensorStore through jaxckpt."""
     tree = _tree_for_layout(packed=True)
     local = Path(jaxckpt.save(tmp_path / "local", tree))
-    target = _storage.location(f"{s3}/up")
+    target = locations.location(f"{s3}/up")
     kv = ts.KvStore.open(target.spec()).result()
     for file in sorted(p for p in local.rglob("*") if p.is_file()):
         kv.write(str(file.relative_to(local)), file.read_bytes()).result()
@@ -561,8 +563,8 @@ def test_what_jaxckpt_writes_locally_reads_on_s3(tmp_path, s3):
 @pytest.mark.parametrize("packed", LAYOUTS)
 def test_memory_store_writes_the_same_layout(tmp_path, monkeypatch, local_packing, packed):
     if not packed:
-        monkeypatch.setattr(_tensorstore, "PACK_LEAF_LIMIT", -1)
-        monkeypatch.setattr(_tensorstore, "BUCKET_PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(store_write, "PACK_LEAF_LIMIT", -1)
+        monkeypatch.setattr(store_write, "BUCKET_PACK_LEAF_LIMIT", -1)
     tree = {"w": np.random.default_rng(8).standard_normal((50, 70)).astype(np.float32), "s": np.arange(3.0)}
     if packed:
         tree["b"] = np.array([True, False])
@@ -638,18 +640,18 @@ def test_a_chunk_that_several_regions_want_part_of_is_read_once(tmp_path, monkey
     saved = jax.device_put(values, NamedSharding(_mesh((8,), ("d",)), P("d")))
     path = Path(jaxckpt.save(tmp_path / "c", {"w": saved}))
     read = []
-    real = _zarr_local._read_chunk
+    real = zarr_local._read_chunk
 
     def counting(fd, into, offset, checksum):
         read.append(len(into))
         return real(fd, into, offset, checksum)
 
-    monkeypatch.setattr(_zarr_local, "_read_chunk", counting)
+    monkeypatch.setattr(zarr_local, "_read_chunk", counting)
     sharding = NamedSharding(_mesh((8,), ("d",)), P(None, "d"))
     restored = jaxckpt.restore(path, like={"w": jax.ShapeDtypeStruct((1024, 1024), np.float32, sharding=sharding)})
     _same_bits(np.asarray(restored["w"]), values)
     assert sum(read) == values.nbytes, f"read {sum(read)} bytes of chunks for {values.nbytes} bytes"
-    from jaxckpt._reader import Opened
+    from jaxckpt.reading.reader import Opened
 
     opened = Opened(path)
     opened.read_regions({"w": [(slice(0, 1024), slice(128 * i, 128 * i + 128)) for i in range(8)]})
@@ -706,7 +708,7 @@ def test_local_arrays_are_stored_by_their_zarr_names(tmp_path, small_packs, name
         _same_bits(_ts_read(folder), value)
     else:
         assert name in TENSORSTORE_LACKS
-    assert _verify.verify(str(path)).ok
+    assert verify.verify(str(path)).ok
 
 
 @pytest.mark.parametrize("name", list(DTYPE_VALUES))
@@ -715,7 +717,7 @@ def test_tensorstore_writes_the_names_it_knows_and_raw_bits_otherwise(name, smal
     the unsigned integer of its width (its raw bits), as before; both read back."""
     value = DTYPE_VALUES[name]()
     path = jaxckpt.save(f"memory://dtype-names/{name}", {"x": value})
-    at = json.loads(_storage.read_index_bytes(_storage.location(path)))["leaves"]["x"]["at"]
+    at = json.loads(locations.read_index_bytes(locations.location(path)))["leaves"]["x"]["at"]
     assert at["stored"] == ("uint8" if name in TENSORSTORE_LACKS else name)
     _same_bits(jaxckpt.restore(path)["x"], value)
 
@@ -727,8 +729,8 @@ def test_registered_names_read_where_tensorstore_reads(tmp_path, small_packs):
     tree = {n: f() for n, f in DTYPE_VALUES.items()}
     tree["wide"] = np.arange(3000).astype(ml_dtypes.uint4).reshape(30, 100)  # several regions below
     local = Path(jaxckpt.save(tmp_path / "local", tree))
-    target = _storage.location("memory://registered-up/c")
-    kv = ts.KvStore.open(target.spec(), context=_tensorstore._context()).result()
+    target = locations.location("memory://registered-up/c")
+    kv = ts.KvStore.open(target.spec(), context=store_write._context()).result()
     for file in sorted(p for p in local.rglob("*") if p.is_file()):
         kv.write(str(file.relative_to(local)), file.read_bytes()).result()
     restored = jaxckpt.restore(target.text)
@@ -736,7 +738,7 @@ def test_registered_names_read_where_tensorstore_reads(tmp_path, small_packs):
         _same_bits(restored[key], value)
     part = jaxckpt.load_variable(target.text, "wide")[7:9, 10:20]
     _same_bits(part, tree["wide"][7:9, 10:20])
-    assert _verify.verify(target.text).ok
+    assert verify.verify(target.text).ok
     # Its zarr.json is not read there: the index (checksummed) decides how the bytes are read, and the
     # bytes are checked against the data store's checksums, so one that names another type changes
     # no value (one request less per array on a bucket; a local disk still checks it).

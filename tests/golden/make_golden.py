@@ -55,9 +55,12 @@ def pod_tree():
 
 def write_pod_golden(out):
     import jaxckpt
-    from jaxckpt import _format, _index_encode, _storage, _tensorstore
-    from jaxckpt._format import ArrayLeaf, InArray, Index, Layout, MeshRecord
-    from jaxckpt._tree import flatten
+    from jaxckpt.arrays import store_write
+    from jaxckpt.format import index_encode
+    from jaxckpt.format import records as _format
+    from jaxckpt.format.records import ArrayLeaf, InArray, Index, Layout, MeshRecord
+    from jaxckpt.storage import locations
+    from jaxckpt.tree.objects import flatten
 
     mesh = MeshRecord(("x", "y"), (2, 4), POD_DEVICES, tuple(d // 2 for d in POD_DEVICES))
     values = pod_tree()
@@ -77,9 +80,9 @@ def write_pod_golden(out):
             at = InArray(f"a/{i}", _format.dtype_name(np.dtype(dtype)), None, chunks, layout)
         leaves[name] = ArrayLeaf(np.dtype(dtype), shape, "numpy", at)
     index = Index(flat.nodes, leaves, [], {"writer": "tests/golden/make_golden.py pod"}, meshes=[mesh])
-    location = _storage.location(out)
+    location = locations.location(out)
     for process in range(4):
-        writer = _tensorstore.Writer((location / _format.data_store(process)).spec())
+        writer = store_write.Writer((location / _format.data_store(process)).spec())
         for name, leaf in leaves.items():
             full = [(0, n) for n in leaf.shape]
             boxes = [
@@ -94,7 +97,7 @@ def write_pod_golden(out):
             writer.finish("5a7e")
     if jaxckpt.FORMAT_VERSION >= 5:
         index.save = "5a7e"
-    (out / _format.INDEX_FILE).write_bytes(_index_encode.encode_index(index))
+    (out / _format.INDEX_FILE).write_bytes(index_encode.encode_index(index))
 
 
 if __name__ == "__main__":

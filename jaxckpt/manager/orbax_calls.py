@@ -1,0 +1,69 @@
+"""The calls that Orbax's ``CheckpointManager`` users write, on :class:`~jaxckpt.CheckpointManager`:
+``should_save``, ``all_steps``, ``latest_step``, ``metadata`` (the run's, see
+:mod:`jaxckpt.manager.run_metadata`) and ``reload`` (an evaluator following a trainer)."""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any
+
+from jaxckpt.manager import run_metadata
+from jaxckpt.manager.options import ManagerOptions
+from jaxckpt.manager.preemption import PreemptionHandler
+from jaxckpt.runtime.background import Background
+from jaxckpt.storage import locations, statefile
+from jaxckpt.storage.statefile import CheckpointInfo
+
+
+class OrbaxCalls:
+    """:class:`~jaxckpt.CheckpointManager`'s Orbax-named calls."""
+
+    # What the manager has that these calls use.
+    _preemption: PreemptionHandler | None
+    _options: ManagerOptions
+    _background: Background
+    _infos: list[CheckpointInfo]
+    _path: locations.Location
+    _directory: str
+    _metadata: dict[str, Any] | None
+    _given_metadata: dict[str, Any] | None
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` would save at ``step`` (see :meth:`jaxckpt.CheckpointManager.should_save`)."""
+        self._background.settle()
+        return self._due(operator.index(step))
+
+    def _due(self, step: int) -> bool:
+        """:meth:`should_save`'s answer, which :meth:`save` follows (a preemption notice included)."""
+        preempted = self._preemption is not None and self._preemption.reached_preemption(step)
+        return self._options.due(step, self._infos, preempted)
+
+    def metadata(self) -> dict[str, Any]:
+        """The run's metadata: what the directory's first manager given ``metadata={...}`` recorded
+        (Orbax's rule: written once; see :mod:`jaxckpt.manager.run_metadata`), else what this manager was
+        given (a read-only one never writes), else ``{}``. A copy: changing it changes nothing."""
+        if self._metadata is None:
+            self._metadata = run_metadata.start(self._path, self._given_metadata, write=False)
+        return copy.deepcopy(self._metadata)
+
+    def all_steps(self) -> list[int]:
+        """The steps of the kept checkpoints, oldest first (waits as ``latest_checkpoint``)."""
+        self._background.settle()
+        return [c.step for c in self._infos]
+
+    def latest_step(self) -> int | None:
+        """The step of the latest checkpoint, or None (waits as ``latest_checkpoint``)."""
+        self._background.settle()
+        return self._infos[-1].step if self._infos else None
+
+    def reload(self) -> None:
+        """Read the state file and the run metadata again (see :meth:`jaxckpt.CheckpointManager.reload`)."""
+        self._background.wait()
+        if self._options.read_only:
+            state = statefile.read_full_state(self._directory)
+            self._infos = state[0] if state is not None else []
+        if self._metadata is not None:
+            recorded = run_metadata.read(self._path)
+            if recorded is not None:
+                self._metadata = recorded

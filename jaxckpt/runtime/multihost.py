@@ -1,0 +1,256 @@
+"""Several processes saving one checkpoint, on JAX's own multi-controller runtime.
+
+Every process calls the same ``save`` / ``restore``. Coordination uses the key-value store and
+barriers of ``jax.distributed``'s client: no collectives on devices (so it is safe from the
+background save thread while training runs), and no RPC of our own. With one process everything
+here is a no-op.
+
+Who writes what is computed, not negotiated: a region of an array (one shard) is written by the
+process of the first device that holds it in the sharding's device order, which every process sees
+alike. Process 0 (the primary) creates the index, publishes the checkpoint, writes a manager's
+state file and applies retention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jaxckpt._errors import JaxckptError
+from jaxckpt.storage.statefile import CheckpointInfo
+
+PRIMARY = 0
+# Every process calls saves in the same order, so counters agree, as long as every process takes
+# exactly one token per save: a manager's failed save still takes its token (see abandon).
+_sequence = itertools.count()
+
+
+@dataclasses.dataclass
+class _Taken:
+    """The tokens this process has taken: how many, and the last one."""
+
+    count: int = 0
+    last: str = ""
+
+
+_taken = _Taken()
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def is_primary() -> bool:
+    return process_index() == PRIMARY
+
+
+def _client() -> Any:  # jax._src.distributed keeps the client untyped
+    from jax._src import distributed  # the runtime's client; jax.distributed exposes no other handle
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.process_count() > 1 but jax.distributed is not initialized")
+    return client
+
+
+def timeout_ms() -> int:
+    """How long a process waits for the others at a barrier (``JAXCKPT_BARRIER_TIMEOUT_S``, default 30 min)."""
+    return int(float(os.environ.get("JAXCKPT_BARRIER_TIMEOUT_S", "1800")) * 1000)
+
+
+def barrier(name: str) -> None:
+    """Wait until every process has reached the barrier ``name``."""
+    if process_count() > 1:
+        try:
+            _client().wait_at_barrier(f"jaxckpt/{name}", timeout_ms())
+        except Exception as e:
+            raise _stuck(e, f"barrier {name!r}", "every other process") from e
+
+
+def _get(key: str, what: str, process: int) -> str:
+    """The value of ``key``, which ``process`` sets: waited for at most :func:`timeout_ms`."""
+    try:
+        return str(_client().blocking_key_value_get(key, timeout_ms()))
+    except Exception as e:
+        raise _stuck(e, what, f"process {process}") from e
+
+
+def _stuck(error: Exception, what: str, whom: str) -> Exception:
+    """A wait for other processes that timed out: a JaxckptError that says for what, whom and how long
+    (the runtime's own says only DEADLINE_EXCEEDED and a key); any other error as it is."""
+    if "DEADLINE_EXCEEDED" not in str(error):
+        return error
+    return JaxckptError(
+        f"Process {process_index()} waited {timeout_ms() / 1000:g} s at {what} for {whom}, which never came: a "
+        "process that failed before it (see its own error and log) never joins, and every process must make the "
+        "same calls in the same order. If they are only slow, set JAXCKPT_BARRIER_TIMEOUT_S higher."
+    )
+
+
+def shared_token() -> str:
+    """A random token chosen by the primary and known to every process (one per call, in call order)."""
+    if process_count() == 1:
+        token = uuid.uuid4().hex[:12]
+    else:
+        key = f"jaxckpt/token/{next(_sequence)}"
+        client = _client()
+        if is_primary():
+            token = uuid.uuid4().hex[:12]
+            client.key_value_set(key, token)
+        else:
+            token = _get(key, f"the token of save {key.rsplit('/', 1)[-1]}", PRIMARY)
+    _taken.count, _taken.last = _taken.count + 1, token
+    return token
+
+
+def tokens_taken() -> int:
+    """How many tokens this process has taken so far (to tell whether a failed save took its own)."""
+    return _taken.count
+
+
+def _report(token: str, error: BaseException | None) -> None:
+    """Every process says how its part of the save with ``token`` went; raise if any process's failed."""
+    client = _client()
+    me = process_index()
+    if error is not None:
+        client.key_value_set(f"jaxckpt/failed/{token}/{me}", f"{type(error).__name__}: {error}"[:2000])
+    barrier(f"{token}/prepared")
+    failures = sorted(client.key_value_dir_get(f"jaxckpt/failed/{token}/"))
+    if failures and error is None:
+        key, why = failures[0]
+        raise JaxckptError(
+            f"Process {key.rsplit('/', 1)[-1]} failed to prepare this save ({why}), so no process saves it; "
+            "every process raises this error at the same call. Fix the cause there; the next save starts afresh."
+        )
+
+
+def agree(token: str) -> None:
+    """After a process's part of a save is prepared: wait for every process's outcome, and raise if any
+    failed, so that all processes raise at the same call. Nothing with one process."""
+    if process_count() > 1:
+        _report(token, None)
+
+
+def abandon(taken_before: int, error: BaseException) -> str | None:
+    """A process whose part of a save failed: still take the save's token if it had not (so that the
+    next save's token is the same on every process), and tell the others, who then raise too.
+
+    Returns the save's token (None with one process). ``error`` is the caller's to raise.
+    """
+    if process_count() == 1:
+        return None
+    token = shared_token() if tokens_taken() == taken_before else _taken.last
+    try:
+        _report(token, error)
+    except Exception:  # the caller raises its own error, which says more
+        pass
+    return token
+
+
+def publish_kept(token: str, kept: Sequence[CheckpointInfo] | None, error: str | None) -> None:
+    """Primary: the checkpoints it kept after the save ``token`` (the others adopt them), or its error."""
+    if process_count() > 1:
+        rows = None if kept is None else [_row(c) for c in kept]
+        _client().key_value_set(f"jaxckpt/kept/{token}", json.dumps({"kept": rows, "error": error}))
+
+
+def _row(c: CheckpointInfo) -> dict[str, Any]:
+    # The prefix only: every process joins it to its own spelling of the directory.
+    return {
+        "prefix": os.path.basename(c.path),
+        "step": c.step,
+        "time": c.time,
+        "metrics": dict(c.metrics),
+        "preserved": c.preserved,
+        "uses": list(c.uses),
+    }
+
+
+def forget_kept(token: str) -> None:
+    """Primary, once every process adopted the list published for ``token``."""
+    if process_count() > 1:
+        _client().key_value_delete(f"jaxckpt/kept/{token}")
+
+
+def kept(token: str, directory: str) -> list[CheckpointInfo] | None:
+    """Non-primary: the checkpoints the primary kept after the save ``token``, in ``directory``;
+    None with one process."""
+    if process_count() == 1:
+        return None
+    doc = json.loads(_get(f"jaxckpt/kept/{token}", f"the list of checkpoints kept after save {token}", PRIMARY))
+    if doc["error"] is not None:
+        raise JaxckptError(
+            f"Process {PRIMARY} could not record the checkpoint it saved ({doc['error']}), so the state file does "
+            "not list it; every process raises this error."
+        )
+    return [
+        CheckpointInfo(
+            os.path.join(directory, r["prefix"]),
+            r["step"],
+            r["time"],
+            dict(r["metrics"]),
+            bool(r.get("preserved")),
+            tuple(r.get("uses", ())),
+        )
+        for r in doc["kept"]
+    ]
+
+
+def gather(name: str, value: str) -> list[str]:
+    """Every process's ``value`` for ``name``, in process order (``[value]`` with one process).
+    Each process calls it once per ``name``; names are never reused."""
+    if process_count() == 1:
+        return [value]
+    client = _client()
+    client.key_value_set(f"jaxckpt/gather/{name}/{process_index()}", value)
+    return [_get(f"jaxckpt/gather/{name}/{p}", f"the agreement {name!r}", p) for p in range(process_count())]
+
+
+_starts = itertools.count()  # numbers the start-up agreements alike on every process (in call order)
+
+
+def started(what: str, error: BaseException | None) -> None:
+    """Every process says whether its ``what`` (a manager) started: ``error`` is its own failure, which
+    its caller raises after this returns. A process whose start succeeded raises a JaxckptError naming
+    the first process whose start failed, and its error, at once; without this it would go on and wait
+    for that process at its first save until :func:`timeout_ms`. With one process, nothing to do."""
+    if process_count() == 1:
+        return
+    said = "" if error is None else f"{type(error).__name__}: {error}"[:2000]
+    answers = gather(f"start/{next(_starts)}", said)
+    failed = [(p, answer) for p, answer in enumerate(answers) if answer]
+    if error is None and failed:
+        p, answer = failed[0]
+        raise JaxckptError(
+            f"Process {p} could not start its {what}, so this one cannot work with it either: {answer} "
+            f"(every process starts its manager together; see process {p}'s log)."
+        )
+
+
+def to_primary(name: str, value: str) -> list[str] | None:
+    """The primary: every process's ``value`` for ``name``, in process order; the others: None. Each
+    process calls it once per ``name``; names are never reused. Unlike :func:`gather` the values are
+    deleted once read: one call per save must not pile up in the store over a long run."""
+    if process_count() == 1:
+        return [value]
+    client = _client()
+    if not is_primary():
+        client.key_value_set(f"jaxckpt/to-primary/{name}/{process_index()}", value)
+        return None
+    values = [value]
+    for p in range(1, process_count()):
+        key = f"jaxckpt/to-primary/{name}/{p}"
+        values.append(_get(key, f"the report {name!r}", p))
+        client.key_value_delete(key)
+    return values
