@@ -125,7 +125,7 @@ def own_regions(index: Index, me: int, devices_per_process: int = 1) -> dict[str
 
 def restore_own(folder: Path, index: Index, me: int, devices_per_process: int = 1) -> list[str]:
     """Restore process ``me``'s regions, check them, and return the data stores it opened."""
-    opened = reader.Opened(folder)
+    opened = reader.Opened(locations.location(folder))
     wanted = own_regions(index, me, devices_per_process)
     got = opened.read_regions(wanted)
     shape = next(iter(index.leaves.values())).shape

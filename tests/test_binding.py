@@ -76,8 +76,10 @@ def test_a_region_read_checks_the_chunks_it_reads_against_the_index(tmp_path, sm
     (shard,) = _shards(_folder(path, "w"))
     _swap_chunk_bytes(shard, 0, 1)
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*not the data the index records"):
-        Opened(path).read_regions({"w": [(slice(0, 8), slice(0, 32))]})
-    got = Opened(path).read_regions({"w": [(slice(24, 32), slice(0, 32))]})["w"][0]  # chunk 3: untouched
+        Opened(locations.location(path)).read_regions({"w": [(slice(0, 8), slice(0, 32))]})
+    got = Opened(locations.location(path)).read_regions({"w": [(slice(24, 32), slice(0, 32))]})["w"][
+        0
+    ]  # chunk 3: untouched
     np.testing.assert_array_equal(got, tree["w"][24:32])
 
 

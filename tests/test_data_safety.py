@@ -20,7 +20,7 @@ import jaxckpt
 from jaxckpt.arrays import store_read, store_write, zarr_local
 from jaxckpt.format.checked_json import checksummed_json
 from jaxckpt.saving import pipeline
-from jaxckpt.storage import local_files
+from jaxckpt.storage import local_files, locations
 from jaxckpt.tools import cli, scan
 from jaxckpt.tools import verify as _verify
 
@@ -146,7 +146,7 @@ def test_a_checkpoint_deleted_while_read_is_reported_as_gone(tmp_path):
     from jaxckpt.reading.templates import NO_TEMPLATE
 
     path, _ = _chunked(tmp_path)
-    opened = Opened(path)  # the index is read; then retention removes everything
+    opened = Opened(locations.location(path))  # the index is read; then retention removes everything
     for child in sorted(path.rglob("*"), reverse=True):
         child.unlink() if child.is_file() else child.rmdir()
     with pytest.raises(jaxckpt.CheckpointNotFoundError, match="deleted while it was being read"):
@@ -358,7 +358,7 @@ def test_packed_leaf_copies_are_bounded_by_the_host_memory_budget(tmp_path, monk
     monkeypatch.setattr(pipeline, "prepare", prepare)
     rng = np.random.default_rng(0)
     tree = {f"leaf{i}": rng.standard_normal(1 << 18).astype(np.float32) for i in range(64)}  # 1 MiB each
-    path = pipeline.write(tmp_path / "c", tree)
+    path = pipeline.write(locations.location(tmp_path / "c"), tree)
     assert flushed_during_snapshot, "nothing was written before the snapshot ended"
     assert max(packs) <= (4 << 20) + (1 << 20) + store_write.PACK_ALIGN, packs
     restored = jaxckpt.restore(path)

@@ -16,6 +16,7 @@ from make_golden import golden_tree, pod_tree  # noqa: E402
 
 from jaxckpt.format import records  # noqa: E402
 from jaxckpt.reading import reader as _reader  # noqa: E402
+from jaxckpt.storage import locations  # noqa: E402
 from jaxckpt.tools import cli  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def test_the_golden_save_of_four_processes_is_still_readable(version):
     mesh whose positions hold devices 3, 1, 0, 2, 7, 5, 4, 6 (device d of process d // 2)."""
     folder = GOLDEN / f"pod-v{version}"
     _assert_same(jaxckpt.restore(folder), pod_tree())
-    opened = _reader.Opened(folder)
+    opened = _reader.Opened(locations.location(folder))
     # P("x", "y"): shard (i, j) written by the process of mesh position (i, j).
     assert records.regions(opened.index.leaves["xy"].at, (4, 8)) == {
         "data.p1": [[(0, 2), (0, 2)], [(0, 2), (6, 8)]],
@@ -65,7 +66,7 @@ def test_the_golden_save_of_four_processes_is_still_readable(version):
     np.testing.assert_array_equal(got, pod_tree()["yx_rows"][1:2])
     assert opened.stores_opened == ["data.p3"]
     for name, value in pod_tree().items():  # in pieces of one row or less, as `jaxckpt verify` reads large arrays
-        pieces = list(_reader.Opened(folder).read_pieces(name, budget=8))
+        pieces = list(_reader.Opened(locations.location(folder)).read_pieces(name, budget=8))
         np.testing.assert_array_equal(np.concatenate([p.reshape(-1) for p in pieces]), value.reshape(-1))
     assert cli.main(["verify", str(folder)]) == 0
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
+from jaxckpt.storage import locations
 
 DTYPES = [
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -162,7 +163,7 @@ def test_the_per_leaf_work_runs_with_the_garbage_collector_paused(tmp_path):
     gc.callbacks.append(count)
     try:
         # Running, it would collect hundreds of times here; calling in may still trigger one or two.
-        prepared = pipeline.prepare(path, tree)
+        prepared = pipeline.prepare(locations.location(path), tree)
         assert len(collections) <= 2, len(collections)
         pipeline.write_and_publish(prepared)
         collections.clear()

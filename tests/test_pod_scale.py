@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt.format import records as _format
 from jaxckpt.saving import pipeline
+from jaxckpt.storage import locations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from simulate_pod import build, restore_own, value
@@ -53,7 +54,7 @@ def test_with_several_devices_per_process_still_one_store(tmp_path):
 
 def test_a_process_reading_two_processes_regions_opens_their_two_stores(tmp_path):
     index = build(tmp_path / "c", 32, 10, me=0, writers=[6, 7])
-    opened = jaxckpt.reading.reader.Opened(tmp_path / "c")
+    opened = jaxckpt.reading.reader.Opened(locations.location(tmp_path / "c"))
     wanted = {k: [(slice(12, 16), slice(0, 16))] for k in index.leaves}  # rows of processes 6 and 7
     got = opened.read_regions(wanted)
     for i, key in enumerate(index.leaves):

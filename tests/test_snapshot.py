@@ -7,6 +7,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt._errors import UnsupportedValueError
+from jaxckpt.storage import locations
 
 
 @pytest.mark.parametrize("bad", [1.0, True], ids=["float", "bool"])
@@ -66,7 +67,7 @@ def test_the_collector_runs_again_once_the_background_has_recorded(tmp_path):
     assert gc.isenabled()
     jaxckpt.save(tmp_path / "b", tree)
     assert gc.isenabled()
-    prepared = pipeline.prepare(tmp_path / "c", tree)
+    prepared = pipeline.prepare(locations.location(tmp_path / "c"), tree)
     assert not gc.isenabled()  # until recorded
     del prepared  # dropped unwritten (a multi-process save whose agreement failed)
     assert gc.isenabled()

@@ -207,7 +207,7 @@ def test_an_inner_chunk_with_a_flipped_byte_is_refused(tmp_path, small_inner_chu
     rows = slice(24, 32) if chunk == 0 else slice(0, 8)
     from jaxckpt.reading.reader import Opened
 
-    got = Opened(path).read_regions({"w": [(rows, slice(0, 32))]})["w"][0]
+    got = Opened(locations.location(path)).read_regions({"w": [(rows, slice(0, 32))]})["w"][0]
     _same_bits(got, tree["w"][rows])
 
 
@@ -351,7 +351,7 @@ def test_arrays_of_prime_sizes_with_small_inner_chunks(tmp_path, small_packs, sm
     from jaxckpt.reading.reader import Opened
 
     rows = slice(shape[0] - 3, shape[0])  # the rows in the padded inner chunk
-    got = Opened(path).read_regions({"w": [(rows, *[slice(None)] * (len(shape) - 1))]})["w"][0]
+    got = Opened(locations.location(path)).read_regions({"w": [(rows, *[slice(None)] * (len(shape) - 1))]})["w"][0]
     _same_bits(got, values[rows])
     assert verify.verify(str(path)).ok
 
@@ -476,11 +476,11 @@ def test_damage_in_an_inner_chunk_read_in_part_is_refused(tmp_path, monkeypatch,
     from jaxckpt.reading.reader import Opened
 
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=r"'w'.*fails its checksum"):
-        Opened(path).read_regions({"w": [(slice(13, 15), slice(3, 9))]})["w"][0]
+        Opened(locations.location(path)).read_regions({"w": [(slice(13, 15), slice(3, 9))]})["w"][0]
     sharding = NamedSharding(_mesh((8,), ("d",)), P("d"))  # rows of 12: device 1 reads rows 12..24
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match="'w'"):
         jaxckpt.restore(path, like={"w": jax.ShapeDtypeStruct((96, 32), np.float32, sharding=sharding)})
-    got = Opened(path).read_regions({"w": [(slice(24, 40), slice(0, 32))]})["w"][0]
+    got = Opened(locations.location(path)).read_regions({"w": [(slice(24, 40), slice(0, 32))]})["w"][0]
     _same_bits(got, values[24:40])
 
 
@@ -653,7 +653,7 @@ def test_a_chunk_that_several_regions_want_part_of_is_read_once(tmp_path, monkey
     assert sum(read) == values.nbytes, f"read {sum(read)} bytes of chunks for {values.nbytes} bytes"
     from jaxckpt.reading.reader import Opened
 
-    opened = Opened(path)
+    opened = Opened(locations.location(path))
     opened.read_regions({"w": [(slice(0, 1024), slice(128 * i, 128 * i + 128)) for i in range(8)]})
     assert all(not r._local._partial for r in opened._readers.values() if r._local is not None)
 

@@ -108,7 +108,7 @@ def _write(
     # when its part fails, so that all raise at the same call and the next save's token agrees.
     taken = multihost.tokens_taken()
     try:
-        prepared = pipeline.prepare(path, root, overwrite=overwrite)
+        prepared = pipeline.prepare(locations.location(path), root, overwrite=overwrite)
     except Exception as e:
         multihost.abandon(taken, e)  # the primary's own prepare removed its staging folder if it failed
         raise
@@ -323,7 +323,7 @@ class Checkpoint:
         if save_path is None:
             return RestoreStatus(None)
         self._background.wait()
-        opened = open_checkpoint(save_path)
+        opened = open_checkpoint(locations.location(save_path))
         if key_map is not None:
             opened = mapped(opened, key_map)
         status = RestoreStatus(opened)

@@ -240,7 +240,7 @@ class _Mapped:
 
 def mapped(opened: Opened, key_map: KeyMap) -> ForeignOpened:
     """``opened`` with its keys and values as ``key_map`` makes them (see :func:`jaxckpt.restore`)."""
-    view = ForeignOpened(formats.ForeignCheckpoint(_Mapped(opened, key_map)))
+    view = ForeignOpened(formats.ForeignCheckpoint(_Mapped(opened, key_map)), opened.location)
     view.skipped = opened.skipped
     return view
 
@@ -278,8 +278,9 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
             "directory holds none; check for None before restoring, or use CheckpointManager.restore_or_initialize()."
         )
     background.SAVES.wait()
+    where = locations.location(path)
     for retries_left in range(REREADS, -1, -1):
-        opened = open_latest(path)
+        opened = open_latest(where)
         try:
             return _restore_from(opened, like, partial, key_map)
         except CheckpointReplacedError:  # saved over while read (nothing of it returned): read the new one
@@ -287,7 +288,7 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
                 raise
         except CheckpointNotFoundError:
             # A directory's latest checkpoint, deleted by its manager's retention while read: the latest again.
-            latest = isinstance(opened, Opened) and opened.location != locations.location(path)
+            latest = isinstance(opened, Opened) and opened.location != where
             if not retries_left or not latest:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
@@ -339,7 +340,7 @@ def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:
     Python values and object states have shape ``()``; a PRNG key array has its key shape. ``path``
     may be a manager's directory: its latest checkpoint.
     """
-    opened = open_latest(path)
+    opened = open_latest(locations.location(path))
     out = [(key, entry.shape) for key, entry in opened.skipped.items()]
     for key, leaf in opened.index.leaves.items():
         if isinstance(leaf, ValueLeaf):
@@ -355,7 +356,7 @@ def load_variable(path: PathLike, key: str) -> Any:
     The key of a node (``"optimizer/opt_state"``, ``"config"``) gives its whole subtree as saved:
     dicts, lists, tuples and namedtuples of those values. ``path`` may be a manager's directory.
     """
-    opened = open_latest(path)
+    opened = open_latest(locations.location(path))
     index = opened.index
     if key in index.nodes:
         return build(index.nodes, opened.load(dict.fromkeys(index.keys_under(key), NO_TEMPLATE)), key)

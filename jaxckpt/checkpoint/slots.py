@@ -33,6 +33,7 @@ from jaxckpt._errors import MismatchError, MissingKeyError, UnsupportedValueErro
 from jaxckpt.format.keys import DICT, LIST, NNX, TUPLE, NodeInfo, describe, edges_for, join
 from jaxckpt.reading.open import open_checkpoint
 from jaxckpt.reading.templates import check, expected_text, held_text
+from jaxckpt.storage import locations
 from jaxckpt.tree.objects import flatten, rebuild
 
 T = TypeVar("T")
@@ -191,7 +192,7 @@ def restore_slots(path: str | os.PathLike[str], target: T, *, prefix: str = "") 
     Returns:
         ``(restored, report)``, the target with the matched slots restored and a :class:`SlotReport`.
     """
-    opened = open_checkpoint(path)
+    opened = open_checkpoint(locations.location(path))
     index = opened.index
     if prefix not in index.nodes and prefix not in index.leaves:
         top = sorted({k.split("/", 1)[0] for k in index.leaves})

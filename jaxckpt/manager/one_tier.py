@@ -263,7 +263,9 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._checkpoint.save_counter = number if checkpoint_number is None else counter + 1
         self._pending_path = path
         try:
-            prepared = pipeline.prepare(path, self._checkpoint, own_copy=self._own_copy, memory=self._memory)
+            prepared = pipeline.prepare(
+                self._path / os.path.basename(path), self._checkpoint, own_copy=self._own_copy, memory=self._memory
+            )
         except BaseException:
             self._checkpoint.save_counter = counter
             raise

@@ -53,15 +53,14 @@ def probe(location: locations.Location) -> Probe:
     return Probe(location, False, None, statefile.read_state_file(location))
 
 
-def open_checkpoint(path: PathLike | locations.Location, index: bytes | None = None) -> Opened:
-    """The checkpoint at ``path``, in whichever format is on disk: jaxckpt's own (a folder with an
+def open_checkpoint(location: locations.Location, index: bytes | None = None, *, checkpoint: bool = False) -> Opened:
+    """The checkpoint at ``location``, in whichever format is on disk: jaxckpt's own (a folder with an
     index), or a TensorFlow, Orbax, Flax msgpack or safetensors checkpoint (local paths). ``index``:
-    the bytes of its index in a kvstore, already read."""
-    location = locations.location(path)
-    if location.local is not None and not locations.is_checkpoint(location):
+    the bytes of its index in a kvstore, already read; ``checkpoint``: a look found its index already."""
+    if location.local is not None and not checkpoint and not locations.is_checkpoint(location):
         module = formats.detect(location.local)
         if module is not None:
-            return ForeignOpened(formats.ForeignCheckpoint(module.open(str(location.local))))
+            return ForeignOpened(formats.ForeignCheckpoint(module.open(str(location.local))), location)
     try:
         return Opened(location, index)
     except NotACheckpointError as e:
@@ -76,15 +75,14 @@ def open_checkpoint(path: PathLike | locations.Location, index: bytes | None = N
         ) from None
 
 
-def open_latest(path: PathLike | locations.Location) -> Opened:
-    """The checkpoint at ``path``; a manager's directory (a state file, no index) means its latest
+def open_latest(location: locations.Location) -> Opened:
+    """The checkpoint at ``location``; a manager's directory (a state file, no index) means its latest
     checkpoint, as TensorFlow's ``load_variable`` takes a directory. So does a directory that
     TensorFlow's, Orbax's or Flax's manager keeps.
 
     A save of this process still writing that checkpoint (or one in that directory) in the
     background is waited for first: the path that ``save(..., blocking=False)`` returned reads as
     that save, not as missing."""
-    location = locations.location(path)
     with after_saves_to(location):
         return open_found(probe(location))
 
@@ -130,12 +128,12 @@ def open_found(found: Probe) -> Opened:
                 raise CheckpointNotFoundError(
                     f"{text!r} is a {module.NAME} manager's directory with no complete checkpoint in it."
                 )
-            return open_checkpoint(latest)
+            return open_checkpoint(locations.location(latest))  # a path that manager's state names
         statefile.parse_full_state(location, found.state)  # a `checkpoint` file that no reader takes: say why
     try:
         if not found.checkpoint and location.local is None:  # its index was looked for already
             raise about(locations.no_index(location), location)
-        return open_checkpoint(location, found.index_bytes)
+        return open_checkpoint(location, found.index_bytes, checkpoint=found.checkpoint)
     except NotACheckpointError as e:
         raise not_a_checkpoint(location, e) from None
 
@@ -226,12 +224,12 @@ class ForeignOpened(Opened):
     Values are read whole, then placed as their templates want, as for jaxckpt's own checkpoints.
     """
 
-    def __init__(self, checkpoint: _formats.ForeignCheckpoint) -> None:
+    def __init__(self, checkpoint: _formats.ForeignCheckpoint, location: locations.Location) -> None:
         self.checkpoint = checkpoint
         self.format = checkpoint.name
         self.skipped = checkpoint.skipped
         self.path = checkpoint.path
-        self.location = locations.location(checkpoint.path)
+        self.location = location
         self.index = checkpoint.index
 
     def exists(self) -> bool:

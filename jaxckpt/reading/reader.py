@@ -92,10 +92,11 @@ class Opened:
     # arrays of the next). Closed with the last reference to it (see PinnedFolder).
     _pinned: zarr_local.PinnedFolder | None = None
 
-    def __init__(self, path: PathLike | locations.Location, index: bytes | None = None) -> None:
-        """``index``: the bytes of the index of a checkpoint in a kvstore, read already (see
-        :func:`jaxckpt.reading.open.probe`), so that opening reads it once; a local index is read here."""
-        self.location = locations.location(path)
+    def __init__(self, location: locations.Location, index: bytes | None = None) -> None:
+        """The checkpoint at ``location`` (resolved once, by the public call). ``index``: the bytes of
+        the index of a checkpoint in a kvstore, read already (see :func:`jaxckpt.reading.open.probe`),
+        so that opening reads it once; a local index is read here."""
+        self.location = location
         self.path = self.location.local or self.location.text
         where = repr(str(self.location / INDEX_FILE))
         if index is not None and self.location.local is None:

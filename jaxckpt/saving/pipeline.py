@@ -43,7 +43,6 @@ from jaxckpt.saving.snapshot import owners as _owners
 from jaxckpt.saving.snapshot import region as _region
 from jaxckpt.storage import locations, statefile
 from jaxckpt.storage.local_files import bytes_of
-from jaxckpt.storage.locations import PathLike
 from jaxckpt.tree.objects import Flat
 from jaxckpt.tree.structure import flatten_saved
 
@@ -186,7 +185,7 @@ class Prepared:
 
 
 def prepare(
-    path: PathLike,
+    dest: locations.Location,
     root: Any,
     *,
     overwrite: bool = False,
@@ -201,7 +200,7 @@ def prepare(
     the snapshot's copies would outgrow the host memory budget, the leaves are recorded here instead,
     and what is recorded so far is written out first, so a state larger than the budget costs a
     longer call, not more memory. ``budget`` overrides :func:`host_memory_budget`. ``own_copy``: each
-    process writes a whole checkpoint of its own at ``path`` (its own disk), holding the packs and
+    process writes a whole checkpoint of its own at ``dest`` (its own disk), holding the packs and
     every region it has (see :class:`Prepared`). ``memory``: a manager's, whose unchanged arrays are
     hard-linked on local disks, referred to on buckets (:mod:`jaxckpt.saving.reuse`).
 
@@ -210,7 +209,7 @@ def prepare(
     """
     end_pause = pause()
     try:
-        p = _prepare(path, root, overwrite, budget, own_copy, memory)
+        p = _prepare(dest, root, overwrite, budget, own_copy, memory)
     except BaseException:
         end_pause()
         raise
@@ -223,14 +222,13 @@ def prepare(
 
 
 def _prepare(
-    path: PathLike,
+    dest: locations.Location,
     root: Any,
     overwrite: bool,
     budget: int | None,
     own_copy: bool,
     memory: Reuse | None,
 ) -> Prepared:
-    dest = locations.location(path)
     keys = _staging.check_writable(dest, overwrite)  # in an object store: what is there, listed once
     flat = flatten_saved(root)
     me = multihost.process_index()
@@ -256,7 +254,7 @@ def _prepare(
         taken = take_leaves(rest, me, own_copy, limit, writer.pack_leaf_limit, not_arrays)
         if taken is not None and linked:  # in leaf order, as every process records them
             taken = {k: linked[k] if k in linked else taken[k] for k in flat.leaves}
-        p = Prepared(os.fspath(path), dest, staging, token, overwrite, records, flat, taken, own_copy=own_copy)
+        p = Prepared(dest.text, dest, staging, token, overwrite, records, flat, taken, own_copy=own_copy)
         if memory is not None:  # what the next save may link or refer to
             p.memory, p.refs = memory, arrays_of_their_own(flat.leaves, writer.pack_leaf_limit)
         if p.taken is None:  # over the budget: recorded, and written out in parts, here
@@ -485,9 +483,9 @@ def write_and_publish(p: Prepared) -> str:
     return p.path
 
 
-def write(path: PathLike, root: Any, *, overwrite: bool = False, budget: int | None = None) -> str:
-    """Saves ``root`` as a new checkpoint at ``path``; returns ``path``."""
-    return write_and_publish(prepare(path, root, overwrite=overwrite, budget=budget))
+def write(dest: locations.Location, root: Any, *, overwrite: bool = False, budget: int | None = None) -> str:
+    """Saves ``root`` as a new checkpoint at ``dest``; returns its path."""
+    return write_and_publish(prepare(dest, root, overwrite=overwrite, budget=budget))
 
 
 def _checked_read(key: str, x: Deferred) -> np.ndarray:

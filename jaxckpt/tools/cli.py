@@ -374,7 +374,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from jaxckpt.tools.convert import convert
 
     try:
-        total = sum(v.nbytes for v in open_latest(args.src).index.leaves.values() if isinstance(v, ArrayLeaf))
+        total = sum(
+            v.nbytes
+            for v in open_latest(locations.location(args.src)).index.leaves.values()
+            if isinstance(v, ArrayLeaf)
+        )
     except (JaxckptError, OSError):
         total = 0  # convert() itself reports why
     with Progress(total, f"convert {args.src}") as progress:
@@ -397,7 +401,7 @@ def _opened_or_none(path: str | _open.Probe) -> Opened | None:
     """The checkpoint at ``path`` (or what a probe found) opened, for the progress bar's total and then
     read by :func:`verify`; or None: errors surface in :func:`verify` itself, which opens it again."""
     try:
-        return _open.open_found(path) if isinstance(path, _open.Probe) else open_latest(path)
+        return _open.open_found(path) if isinstance(path, _open.Probe) else open_latest(locations.location(path))
     except (JaxckptError, OSError):
         return None
 

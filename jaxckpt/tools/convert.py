@@ -25,6 +25,7 @@ from jaxckpt.reading.open import open_latest
 from jaxckpt.reading.reader import Opened
 from jaxckpt.reading.templates import NO_TEMPLATE
 from jaxckpt.saving import pipeline
+from jaxckpt.storage import locations
 from jaxckpt.storage.locations import PathLike
 from jaxckpt.tree.objects import build
 
@@ -53,7 +54,7 @@ def convert(
 ) -> Converted:
     """Write the checkpoint at ``src`` as a new checkpoint at ``dst``: safetensors if ``dst`` ends in
     ``.safetensors``, else a jaxckpt checkpoint. ``on_read(nbytes)`` is called after each array is read."""
-    opened = open_latest(src)
+    opened = open_latest(locations.location(src))
     result = Converted(str(opened.path), opened.format, os.fspath(dst))
     result.left_out.update({k: f"{e.note} {e.shape}: no numpy form" for k, e in opened.skipped.items()})
 
@@ -94,7 +95,7 @@ def _to_jaxckpt(
             result.values += 1
         else:
             values[key] = pipeline.Deferred(leaf.shape, leaf.dtype, functools.partial(read, key))
-    pipeline.write(dst, build(opened.index.nodes, values), overwrite=overwrite, budget=BUDGET)
+    pipeline.write(locations.location(dst), build(opened.index.nodes, values), overwrite=overwrite, budget=BUDGET)
 
 
 class _State:

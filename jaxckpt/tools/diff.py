@@ -12,6 +12,7 @@ import numpy as np
 from jaxckpt.format.records import ArrayLeaf, Leaf, ValueLeaf
 from jaxckpt.reading.open import open_latest
 from jaxckpt.reading.reader import Opened
+from jaxckpt.storage import locations
 from jaxckpt.tools.describe import json_value, key_matcher, leaf_shape, leaf_type, selected
 from jaxckpt.tools.progress import Progress
 from jaxckpt.tools.scan import array_leaf, batches, number_text, numeric, one_large, pieces, read_arrays
@@ -66,7 +67,7 @@ def diff(
 ) -> Diff:
     """Compare the values of two checkpoints key by key (only the keys matching ``patterns``, if any);
     each a path or a checkpoint opened already."""
-    ra, rb = (x if isinstance(x, Opened) else open_latest(x) for x in (a, b))
+    ra, rb = (x if isinstance(x, Opened) else open_latest(locations.location(x)) for x in (a, b))
     match = key_matcher(patterns)
     la, lb = (
         {k: r.index.leaves[k] for k in r.index.keys_under("") if match is None or selected(k, match)} for r in (ra, rb)

@@ -9,6 +9,7 @@ from jaxckpt._errors import CheckpointFormatError, JaxckptError, StorageError, U
 from jaxckpt.format.records import ArrayLeaf
 from jaxckpt.reading.open import ForeignOpened, open_latest
 from jaxckpt.reading.reader import Opened
+from jaxckpt.storage import locations
 from jaxckpt.tools.progress import Progress
 from jaxckpt.tools.scan import array_leaf, batches, one_large, pieces, read_arrays
 
@@ -38,7 +39,9 @@ def verify(path: str, progress: Progress | None = None, *, opened: Opened | None
     """
     result = Verified(path)
     try:
-        opened = opened if opened is not None else open_latest(path)  # ``opened``: already, at ``path``
+        opened = (
+            opened if opened is not None else open_latest(locations.location(path))
+        )  # ``opened``: already, at ``path``
     except UnsupportedVersionError:
         raise  # not damage: a newer jaxckpt wrote it
     except CheckpointFormatError as e:  # a damaged index: nothing in it can be trusted
