@@ -289,7 +289,8 @@ def test_gcs_paths_map_to_the_gcs_kvstore():
 
 _ENDPOINT_RULE = """
 import os, jaxckpt
-from jaxckpt import StorageError, locations
+from jaxckpt import StorageError
+from jaxckpt.storage import locations
 host = os.environ["STORAGE_EMULATOR_HOST"].removeprefix("http://")  # the form without a scheme works too
 
 

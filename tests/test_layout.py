@@ -28,7 +28,7 @@ def test_each_module_stays_within_550_lines(path):
 def test_no_module_uses_another_modules_private_names(path):
     tree = ast.parse(path.read_text())
     modules = _module_names()
-    aliases: set[str] = set()  # names bound to jaxckpt modules here (`from jaxckpt import _storage`)
+    aliases: set[str] = set()  # names bound to jaxckpt modules here (`from jaxckpt.storage import locations`)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxckpt"):

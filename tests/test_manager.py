@@ -362,7 +362,7 @@ def test_crash_between_state_update_and_deletion(tmp_path, monkeypatch):
     manager.save()
     manager.save()
 
-    def crash(path):
+    def crash(path, keep_name=False):
         raise Crash(path)
 
     monkeypatch.setattr(_retention, "_hide", crash)  # deletion's first step, on the save's path

@@ -109,7 +109,7 @@ WORKER = textwrap.dedent(
     import numpy as np
     import jaxckpt
     from jaxckpt.manager import retention
-    from jaxckpt.storage import kvstore
+    from jaxckpt.storage import kvstore, statefile
 
     directory, hook = sys.argv[1], sys.argv[2]
     ROWS = int(sys.argv[3])
@@ -117,8 +117,9 @@ WORKER = textwrap.dedent(
     def die(*_):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def half_then_die_bucket(spec):  # the deletion of a prefix, one request per object
-        keys = sorted(kvstore.kv_keys(spec))
+    def half_then_die_bucket(path):  # the deletion of a prefix, one request per object, its mark last
+        spec = path.spec()
+        keys = sorted(k for k in kvstore.kv_keys(spec) if k != statefile.UNRECORDED)
         for key in keys[: len(keys) // 2]:
             kvstore.kv_delete(spec, key)
         die()
@@ -132,7 +133,7 @@ WORKER = textwrap.dedent(
     if hook == "before-deleting":  # the state file dropped ckpt-1; nothing of it is deleted yet
         retention._erase = die
     else:
-        kvstore.kv_delete_all, retention._delete_renamed = half_then_die_bucket, half_then_die_local
+        retention._delete_rest, retention._delete_renamed = half_then_die_bucket, half_then_die_local
     ckpt = jaxckpt.Checkpoint(step=0, **{f"w{i}": np.zeros(ROWS, np.float32) for i in range(3)}, b=np.arange(10))
     with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=2, step_counter="step") as manager:
         for step in (1, 2, 3):

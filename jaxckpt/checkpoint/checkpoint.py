@@ -333,13 +333,20 @@ class Checkpoint:
             restore.run()
         except BaseException:
             restore.abandon()
+            opened.close()
             raise
+        if not restore.waiting:  # no value waits for a child assigned later: nothing more to read
+            opened.close()
         self._statuses.append(status)  # reported at the next call (see RestoreStatus)
         return status
 
     def read(self, save_path: PathLike) -> RestoreStatus:
         """Same as :meth:`restore`, for a checkpoint written by :meth:`write`."""
         return self.restore(save_path)
+
+
+# Its public name, which the index records (for information) for every Checkpoint node of a save.
+Checkpoint.__module__ = "jaxckpt"
 
 
 def save(path: PathLike, tree: Any, *, overwrite: bool = False, blocking: bool = True) -> str:

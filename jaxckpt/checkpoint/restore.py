@@ -282,7 +282,8 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
     for retries_left in range(REREADS, -1, -1):
         opened = open_latest(where)
         try:
-            return _restore_from(opened, like, partial, key_map)
+            with opened:
+                return _restore_from(opened, like, partial, key_map)
         except CheckpointReplacedError:  # saved over while read (nothing of it returned): read the new one
             if not retries_left:
                 raise
@@ -340,9 +341,10 @@ def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:
     Python values and object states have shape ``()``; a PRNG key array has its key shape. ``path``
     may be a manager's directory: its latest checkpoint.
     """
-    opened = open_latest(locations.location(path))
-    out = [(key, entry.shape) for key, entry in opened.skipped.items()]
-    for key, leaf in opened.index.leaves.items():
+    with open_latest(locations.location(path)) as opened:
+        index, skipped = opened.index, opened.skipped
+    out = [(key, entry.shape) for key, entry in skipped.items()]
+    for key, leaf in index.leaves.items():
         if isinstance(leaf, ValueLeaf):
             out.append((key, ()))
         else:
@@ -356,9 +358,9 @@ def load_variable(path: PathLike, key: str) -> Any:
     The key of a node (``"optimizer/opt_state"``, ``"config"``) gives its whole subtree as saved:
     dicts, lists, tuples and namedtuples of those values. ``path`` may be a manager's directory.
     """
-    opened = open_latest(locations.location(path))
-    index = opened.index
-    if key in index.nodes:
-        return build(index.nodes, opened.load(dict.fromkeys(index.keys_under(key), NO_TEMPLATE)), key)
-    opened.leaf(key)
-    return opened.load({key: NO_TEMPLATE})[key]
+    with open_latest(locations.location(path)) as opened:
+        index = opened.index
+        if key in index.nodes:
+            return build(index.nodes, opened.load(dict.fromkeys(index.keys_under(key), NO_TEMPLATE)), key)
+        opened.leaf(key)
+        return opened.load({key: NO_TEMPLATE})[key]

@@ -224,6 +224,7 @@ def restore_slots(path: str | os.PathLike[str], target: T, *, prefix: str = "") 
             continue
         wanted[slot.key] = template
     loaded = opened.load(wanted)
+    opened.close()  # read: nothing of it is held open
     values = {new_key: loaded[slot.key] for new_key, slot in pairs.items() if slot.key in loaded}
     restored = rebuild(target, values, prefix)
 

@@ -42,6 +42,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import stat
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -232,7 +233,7 @@ class Memory:
     def loaded(self, opened: Any, values: Mapping[str, Any]) -> None:
         """A restore's values (:func:`loaded`): the arrays read unchanged from a local checkpoint of format 5."""
         index, folder = opened.index, opened.location.local
-        if folder is None or index.save is None:
+        if folder is None or index.save is None or not self._holds(folder):
             return
         if len(self._restored) > len(values):  # restores without a save between: forget the arrays gone
             self._restored = {i: e for i, e in self._restored.items() if e.ref() is not None}
@@ -254,6 +255,14 @@ class Memory:
     def restoring(self) -> contextlib.AbstractContextManager[None]:
         """Remember what the restores inside return."""
         return memories.restoring(self)
+
+    def _holds(self, folder: str | os.PathLike[str]) -> bool:
+        """Whether the checkpoint ``folder`` is directly in the manager's directory, itself and every
+        folder on its way no symlink: another run's checkpoint reached through a link is never linked from."""
+        if self.directory is None:
+            return False
+        path = os.path.abspath(folder)
+        return os.path.realpath(path) == path and os.path.dirname(path) == self.directory
 
 
 def _written(dest: Path, leaf: ArrayLeaf, writers: Mapping[str, Any]) -> dict[tuple[str, int], Shard]:
@@ -406,9 +415,12 @@ def _link_all(
             folder = staging / store / LINKS
             folder.mkdir(parents=True, exist_ok=True)
             link = str(folder / f"{n}-{number}")
-            os.link(shard.file, link)
+            os.link(shard.file, link, follow_symlinks=False)
             made.append(link)
-            if shard.inode is not None and os.stat(link).st_ino != shard.inode:
+            linked = os.lstat(link)
+            if not stat.S_ISREG(linked.st_mode):  # a symlink planted in its place: never shared on
+                raise FileNotFoundError(f"{shard.file} is not a regular file")
+            if shard.inode is not None and linked.st_ino != shard.inode:
                 raise FileNotFoundError(f"{shard.file} is another file than the one saved")
             out.setdefault(store, {})[number] = (link, keys[(store, number)], shard.crcs)
             if ZARR_JSON_LINK not in out[store]:

@@ -22,18 +22,20 @@ data*, removed by :func:`prune` once no kept checkpoint uses it (at a deletion, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from jaxckpt._errors import JaxckptError
+from jaxckpt._errors import JaxckptError, caller_level
 from jaxckpt.format.index_json import decode_index
 from jaxckpt.format.records import CHECKSUMS_FILE, INDEX_FILE, ArrayLeaf, InArray
 from jaxckpt.format.refs_json import REFS_FILE, STORE, decode
 from jaxckpt.reading.refs import READ_LIMIT
 from jaxckpt.runtime import multihost
-from jaxckpt.storage import kvstore, locations
+from jaxckpt.storage import kvstore, local_tree, locations, statefile
 from jaxckpt.storage.statefile import CheckpointInfo
 
 
@@ -48,10 +50,14 @@ def names_used(token: str, writers: Iterable[Any]) -> tuple[str, ...]:
 # --- reading -------------------------------------------------------------------------------------
 
 
-def deletions(old: Sequence[CheckpointInfo], kept: Sequence[CheckpointInfo]) -> dict[str, list[str]]:
+def deletions(
+    old: Sequence[CheckpointInfo], kept: Sequence[CheckpointInfo], ours: Callable[[str], bool]
+) -> dict[str, list[str]]:
     """For deleting what ``kept`` no longer lists of ``old``: each dropped checkpoint, and each held
     one that a dropped checkpoint used and that is not listed, with the kept checkpoints that use it
-    (empty: nothing is held of it). Empty when no checkpoint uses another."""
+    (empty: nothing is held of it). Empty when no checkpoint uses another. A held name is included
+    only where ``ours(name)``: a checkpoint name of this manager (and its deletion still needs the
+    proof that the Deleter asks for: see :func:`jaxckpt.manager.retention.provably_held`)."""
     if not any(c.uses for c in old):
         return {}
     listed = {os.path.basename(c.path) for c in kept}
@@ -62,7 +68,7 @@ def deletions(old: Sequence[CheckpointInfo], kept: Sequence[CheckpointInfo]) -> 
     out = {os.path.basename(c.path): users(os.path.basename(c.path)) for c in old if c not in kept}
     for c in old:
         if c not in kept:
-            out.update((u, users(u)) for u in c.uses if u not in listed and u not in out)
+            out.update((u, users(u)) for u in c.uses if u not in listed and u not in out and ours(u))
     return out
 
 
@@ -94,24 +100,47 @@ def bucket_usage(checkpoint: locations.Location) -> tuple[int | None, int | None
     return total, sum(referred.values()), referred
 
 
-def uses_of(checkpoint: locations.Location) -> tuple[str, ...]:
+def uses_of(checkpoint: locations.Location, ours: Callable[[str], bool] | None = None) -> tuple[str, ...]:
     """The siblings whose data the checkpoint at ``checkpoint`` refers to, from its data stores'
-    ``refs.json`` (for a checkpoint that a manager adopts: the state file did not list it yet)."""
+    ``refs.json`` (for a checkpoint that a manager adopts: the state file did not list it yet).
+
+    Only what the checkpoint can prove: its index must be of version 6 and say it refers to others,
+    and each ``refs.json`` must name that index's save; a name that is not a checkpoint of this
+    manager (``ours``; by default any ``<name>-<number>``) is left out with a warning, so that a
+    copied-in checkpoint can never make retention delete a user's folder or prefix."""
+    raw = locations.read_file(checkpoint, INDEX_FILE, locations.INDEX_READ_LIMIT)
+    if raw is None:
+        return ()
+    index = decode_index(raw, repr(str(checkpoint / INDEX_FILE)))
+    if not index.refs or index.save is None:
+        return ()
     names: set[str] = set()
     for store in locations.children(checkpoint):
         if STORE.fullmatch(store):
             data = locations.read_file(checkpoint, f"{store}/{REFS_FILE}", READ_LIMIT)
             if data is not None:
-                names.update(
-                    r.checkpoint for r in decode(data, repr(str(checkpoint / store / REFS_FILE)), None).values()
-                )
-    return tuple(sorted(names))
+                where = repr(str(checkpoint / store / REFS_FILE))
+                names.update(r.checkpoint for r in decode(data, where, index.save).values())
+    accepted = ours if ours is not None else statefile.CHECKPOINT_NAME.fullmatch
+    refused = sorted(n for n in names if not accepted(n))
+    if refused:
+        warnings.warn(
+            f"The checkpoint {checkpoint.text!r} refers to data of {', '.join(map(repr, refused))}, which "
+            "is no checkpoint of this manager: that data is not held for it (its arrays there do not "
+            "restore), and nothing there is ever deleted by this manager.",
+            stacklevel=caller_level(),
+        )
+    return tuple(sorted(n for n in names if accepted(n)))
 
 
-def prune(target: locations.Location, users: Sequence[locations.Location]) -> None:
-    """Remove every object of ``target`` (no longer a checkpoint: its index is gone) but the arrays
-    that ``users`` refer to and their data stores' checksums. A user's references that cannot be
-    read keep everything (the next deletion or start-up tries again)."""
+def prune(target: locations.Location, users: Sequence[locations.Location], name: str | None = None) -> None:
+    """Remove every file or object of ``target`` (no longer a checkpoint: its index is gone) but the
+    arrays that ``users`` refer to, their data stores' checksums and the mark that it was dropped
+    (:data:`jaxckpt.storage.statefile.UNRECORDED`, the proof that it is this manager's to delete).
+    ``name``: the name the users' references give it (``target``'s own by default). A user's
+    references that cannot be read keep everything (the next deletion or start-up tries again).
+    Local folders and buckets alike: a run moved from one to the other keeps its held data."""
+    name = target.name if name is None else name
     held: set[tuple[str, str]] = set()
     for user in users:
         for store in locations.children(user):
@@ -122,11 +151,35 @@ def prune(target: locations.Location, users: Sequence[locations.Location]) -> No
                 refs = {} if data is None else decode(data, repr(str(user / store / REFS_FILE)), None)
             except (JaxckptError, OSError):
                 return
-            held.update((r.store, r.array) for r in refs.values() if r.checkpoint == target.name)
+            held.update((r.store, r.array) for r in refs.values() if r.checkpoint == name)
+    if not held and not _dropped(target):
+        return  # nothing of it is held for them and no mark proves it this manager's: not touched
     stores = {s for s, _ in held}
-    base = target.spec()
-    for key in kvstore.kv_keys(base):
+
+    def kept(key: str) -> bool:
         store, _, rest = key.partition("/")
-        if store in stores and (rest == CHECKSUMS_FILE or any(key.startswith(f"{s}/{a}/") for s, a in held)):
-            continue
-        kvstore.kv_delete(base, key)
+        if key == statefile.UNRECORDED:
+            return True
+        return store in stores and (rest == CHECKSUMS_FILE or any(key.startswith(f"{s}/{a}/") for s, a in held))
+
+    if target.local is None:
+        base = target.spec()
+        for key in kvstore.kv_keys(base):
+            if not kept(key):
+                kvstore.kv_delete(base, key)
+        return
+    root = os.fspath(target.local)
+    for entry in list(local_tree.walk_files(target)):
+        if not kept(os.path.relpath(entry.path, root).replace(os.sep, "/")):
+            os.unlink(entry.path)
+    for folder, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):  # the emptied folders, deepest first
+        if folder != root:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+
+def _dropped(target: locations.Location) -> bool:
+    """Whether ``target`` holds the mark that retention puts on what it drops (local or bucket)."""
+    if target.local is not None:
+        return statefile.is_marked(target)
+    return kvstore.kv_exceeds(target.spec(), statefile.UNRECORDED, 0) is not None

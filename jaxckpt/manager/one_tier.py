@@ -344,7 +344,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
                 self._infos = retained.kept
             # Off the save's path: the next save may start while these are deleted (see _retention).
             self._deleter.delete(
-                _retention.dropped_names(candidates, retained.kept), deletions(candidates, retained.kept)
+                _retention.dropped_names(candidates, retained.kept), deletions(candidates, retained.kept, self._ours)
             )
         else:
             candidates = [*self._infos, info]

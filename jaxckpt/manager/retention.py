@@ -177,14 +177,15 @@ class Deleter:
         held, and the held data of others to prune as well."""
         names = list(names)
         users = dict(users or {})
-        names += [n for n in users if n not in names]
+        # Held data that no dropped checkpoint is: deleted only where provably this manager's.
+        names += [n for n in users if n not in names and provably_held(self._folder / n)]
         if not names:
             return
         self._background.wait()  # raises only what is no storage failure (those are kept: _run)
         hidden = []
         for name in names:
             try:
-                target = _hide(self._folder / name)
+                target = _hide(self._folder / name, keep_name=bool(users.get(name)))
             except (OSError, JaxckptError) as e:
                 self._failed(name, e)
                 continue
@@ -258,20 +259,35 @@ def remove_checkpoint(path: locations.Location, users: Sequence[locations.Locati
             raise
 
 
+def provably_held(path: locations.Location) -> bool:
+    """Whether ``path``, held data that no listed checkpoint uses any more, is provably this manager's
+    to delete: retention marked it when it dropped the checkpoint (the mark stays with held data, see
+    :func:`jaxckpt.incremental.refs.prune`). A name that only a state file's ``uses`` gives is no proof."""
+    try:
+        return not locations.is_symlink(path) and is_marked(path)
+    except (OSError, JaxckptError):
+        return False
+
+
 def _remove_tree(path: locations.Location, users: Sequence[locations.Location] = ()) -> None:
-    target = _hide(path)
+    target = _hide(path, keep_name=bool(users))
     if target is not None:
         _erase(target, users) if users else _erase(target)
 
 
-def _hide(path: locations.Location) -> locations.Location | None:
-    """The quick first step of removing a checkpoint; returns what is left to :func:`_erase` (None: nothing)."""
+def _hide(path: locations.Location, keep_name: bool = False) -> locations.Location | None:
+    """The quick first step of removing a checkpoint; returns what is left to :func:`_erase` (None:
+    nothing). ``keep_name``: kept checkpoints refer to its data by its name (held data stays there)."""
     if locations.is_symlink(path):
         # Another run's checkpoint linked here (adopted, then dropped): the link goes, in one step;
         # what it points to is never this directory's to delete.
         assert path.local is not None
         path.local.unlink()
         return None
+    if path.local is not None and keep_name:
+        # No rename: its index goes first (then it is no checkpoint), the rest but what is held after.
+        (path.local / INDEX_FILE).unlink(missing_ok=True)
+        return path
     if path.local is not None:
         # Renamed out of the way first, atomically: a crash midway through rmtree leaves a hidden
         # leftover that the next manager removes, never a half-deleted folder under the checkpoint's
@@ -286,7 +302,10 @@ def _erase(target: locations.Location, users: Sequence[locations.Location] = ())
     """The slow rest of removing a checkpoint: a renamed local folder, or a bucket's prefix (but
     the data that ``users``, kept checkpoints, refer to: see :mod:`jaxckpt.incremental.refs`)."""
     if target.local is not None:
-        _delete_renamed(target.local)
+        if users:  # its index is gone already (see _hide)
+            refs.prune(target, users)
+        else:
+            _delete_renamed(target.local)
         return
     # No rename in a bucket: its index goes first, in one request, so that from then on the prefix
     # is no checkpoint (a reader, or the next manager, finds no index); the objects left are garbage
@@ -299,7 +318,15 @@ def _erase(target: locations.Location, users: Sequence[locations.Location] = ())
 
 
 def _delete_rest(path: locations.Location) -> None:
-    locations.delete_tree(path)  # one request per object
+    """Every object of ``path`` (its index gone already), one request each, the mark last: an
+    interrupted deletion leaves objects that the mark still proves this manager's to remove."""
+    base = path.spec()
+    keys = kvstore.kv_keys(base)
+    for key in keys:
+        if key != statefile.UNRECORDED:
+            kvstore.kv_delete(base, key)
+    if statefile.UNRECORDED in keys:
+        kvstore.kv_delete(base, statefile.UNRECORDED)
 
 
 def _delete_renamed(hidden: Path) -> None:
@@ -392,6 +419,10 @@ class RetentionCalls:
         foreign = [c.path for c in candidates if not self._own(c)]
         return retain(candidates, opts.policy, opts.hours, self._last_preserved, self._also_keep, foreign)
 
+    def _ours(self, name: str) -> bool:
+        """Whether ``name`` is a checkpoint name of this manager's ``checkpoint_name``."""
+        return self._options.number(name) is not None
+
     def _own(self, checkpoint: CheckpointInfo) -> bool:
         """Whether ``checkpoint`` is of this manager's ``checkpoint_name``: the only ones it ever deletes."""
         return self._options.number(os.path.basename(checkpoint.path)) is not None
@@ -414,7 +445,7 @@ class RetentionCalls:
                     _clear_mark(self._path / name)
                 raise
             self._infos = kept
-        self._deleter.delete(dropped, refs.deletions(old, kept))
+        self._deleter.delete(dropped, refs.deletions(old, kept, self._ours))
 
     def _reapply_retention(self) -> None:
         """Apply retention again to what is listed: ``_also_keep`` kept a checkpoint that it lets go now."""

@@ -6,8 +6,8 @@ numbers after them, and never deletes them (see :func:`jaxckpt.manager.retention
 managers leave alone what they did not record. Complete ``<name>-N`` checkpoints that it finds unlisted
 (``Checkpoint.save`` of an older jaxckpt, ``Checkpoint.write``, a copy) it adopts into the state file. What a crash can leave behind (staging folders
 ``.ckpt-N.partial-<token>``, temp state files ``.checkpoint.tmp-<token>``, unlisted ``ckpt-N``
-folders that are incomplete or marked, renamed ones being deleted) it removes; names that only
-look alike are never touched. A checkpoint symlinked here (another run's) is handled as the link
+folders that are marked or an interrupted save's, renamed ones being deleted) it removes; names that only
+look alike, and numbered folders that nothing proves its own, are never touched. A checkpoint symlinked here (another run's) is handled as the link
 alone: adopted and read through it, but never marked, and removing it removes the link.
 """
 
@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from jaxckpt._errors import CheckpointExistsError, ManagerLockedError, caller_level
+from jaxckpt._errors import CheckpointExistsError, JaxckptError, ManagerLockedError, caller_level
 from jaxckpt.incremental import refs
 from jaxckpt.manager import retention as _retention
 from jaxckpt.manager.options import ManagerOptions
@@ -77,8 +77,17 @@ def _unlisted_checkpoints(
                 when = min(when, (checkpoint.local / locations.INDEX_FILE).stat().st_mtime)
             except OSError:
                 pass
-        # A bucket's may refer to the data of others (jaxckpt.incremental.refs), which must stay while it is listed.
-        uses = refs.uses_of(checkpoint) if checkpoint.local is None else ()
+        # It may refer to the data of others (jaxckpt.incremental.refs: a bucket's, or one copied from a
+        # bucket), which must stay while it is listed; only this manager's checkpoints, as its index proves.
+        try:
+            uses = refs.uses_of(checkpoint, lambda n: options.number(n) is not None)
+        except JaxckptError as e:  # its references prove nothing: it holds no other's data for them
+            warnings.warn(
+                f"Adopting {checkpoint.text!r}, whose references to other checkpoints cannot be trusted ({e}); "
+                "no other checkpoint's data is held for it, and what it refers to does not restore.",
+                stacklevel=caller_level(),
+            )
+            uses = ()
         found.append(CheckpointInfo(os.path.join(directory, name), number, when, uses=uses))
     return sorted(found, key=lambda c: c.step)
 
@@ -187,7 +196,11 @@ def remove_leftovers(
         elif options.number(name) is not None and name not in listed:
             # As retention deletes: first made no checkpoint (renamed away, or its index deleted), so
             # that a crash in the middle of this never leaves a half-deleted one to adopt next time.
+            # Only what is provably a leftover of this manager's: marked (a save not listed yet, or a
+            # checkpoint retention dropped), an interrupted save's (a bucket's marker), or held data of
+            # listed checkpoints (of which only what no listed one refers to goes). Else left alone.
             users = [folder / os.path.basename(c.path) for c in infos if name in c.uses]  # held data stays
-            _retention.remove_checkpoint(folder / name, users)
+            if users or _retention.provably_held(folder / name) or _staging.interrupted_save(folder / name):
+                _retention.remove_checkpoint(folder / name, users)
         elif name in listed:  # listed, but a crash came before its mark was dropped
             statefile.clear_unrecorded(folder / name)

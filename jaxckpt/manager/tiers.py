@@ -261,7 +261,7 @@ class TwoTiers(OneTier):
         if not locations.is_checkpoint(self._path / name):  # only what the durable tier lacks (copy_memory)
             uses = durable_copy.copy_checkpoint(source, self._path / name, tag=tag, memory=self._copy_memory)
         else:
-            uses = refs.uses_of(self._path / name) if self._path.local is None else ()
+            uses = refs.uses_of(self._path / name, lambda n: self._options.number(n) is not None)
         self._record(dataclasses.replace(durable, uses=uses), tag)
         self.copied.append(durable.path)
 

@@ -200,6 +200,20 @@ class Opened:
         # Where every value was placed, ``out`` is already in wanted's order.
         return out if len(to_device) == len(wanted) else {key: out[key] for key in wanted}
 
+    def close(self) -> None:
+        """Let go of what it holds open (its folder); a read after this opens files by their paths
+        again. Restores close what they opened when they return."""
+        pinned, self._pinned = self._pinned, None
+        self._readers = {}
+        if pinned is not None:
+            pinned.close()
+
+    def __enter__(self) -> Opened:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def exists(self) -> bool:
         """Whether the checkpoint is still there (a failed read may mean it was deleted meanwhile), and
         is still the one read: not replaced by another save (``overwrite=True``)."""

@@ -67,6 +67,16 @@ def _only_leftovers(keys: list[str]) -> bool:
     return SAVE_MARKER in keys and all(_LEFTOVER_KEY.fullmatch(k) for k in keys)
 
 
+def interrupted_save(path: Location) -> bool:
+    """Whether the bucket prefix ``path`` holds exactly what an interrupted save leaves (its marker
+    and data, no index): provably jaxckpt's garbage. Never a local folder (a local save is staged in
+    a hidden folder of its own)."""
+    if path.local is not None:
+        return False
+    keys = kvstore.kv_keys(path.spec())
+    return INDEX_FILE not in keys and _only_leftovers(keys)
+
+
 def _first_file_above(local: Path) -> Path | None:
     """The nearest existing ancestor of ``local`` if it is not a folder (a file where a folder must go)."""
     for parent in local.parents:

@@ -116,7 +116,11 @@ class PinnedFolder:
         self._prefix = path.rstrip("/") + "/"
         # O_PATH (Linux): like opening files by their paths, it takes no read permission on the folder.
         self.fd = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC)
-        weakref.finalize(self, os.close, self.fd)
+        self._close = weakref.finalize(self, os.close, self.fd)
+
+    def close(self) -> None:
+        """Close it now (once), where its holder knows that no read under it is in flight."""
+        self._close()
 
     def replaced(self) -> bool:
         """Whether its path no longer names this folder (deleted, or another renamed there)."""

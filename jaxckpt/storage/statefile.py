@@ -20,7 +20,8 @@ a version change since readers ignore unknown fields: ``"preserved": true`` on a
 ``keep_checkpoint_every_n_hours`` preserved (no manager deletes it), and ``last_preserved_time``, the
 time that rule counts its hours from (TensorFlow's ``last_preserved_timestamp``). A third,
 ``"uses": ["ckpt-3", ...]``, names the checkpoints of the directory whose data a checkpoint refers
-to (incremental saves on buckets, :mod:`jaxckpt.incremental.refs`): their data stays while it is listed. A newer
+to (incremental saves on buckets, :mod:`jaxckpt.incremental.refs`): their data stays while it is listed;
+only names of other checkpoints (``<name>-<number>``) are accepted there. A newer
 ``version`` is refused. The file is untrusted input: it is read as a regular file of bounded
 size (``locations.read_file``) and every field is checked before use.
 
@@ -50,6 +51,8 @@ PREFIX = re.compile(r"[^/\\\x00]+")  # one path component: a listed prefix can n
 # A file inside a checkpoint folder saved by a manager or Checkpoint.save, until the state file lists
 # it: a folder that still has it and is not listed is a save that a crash interrupted (garbage the next
 # manager removes), not a checkpoint someone put there (which a manager adopts).
+# A checkpoint's name as managers number them ("ckpt-3", "model.ckpt-12"): what ``uses`` may name.
+CHECKPOINT_NAME = re.compile(r"[^/\\\x00.][^/\\\x00]*-[0-9]+")
 UNRECORDED = ".jaxckpt-unrecorded"
 LATEST_TIME = 253402300800.0  # 10000-01-01T00:00:00Z: datetime cannot show a later time
 
@@ -110,6 +113,14 @@ def _parse_entry(raw: object, where: locations.Location, directory: str) -> Chec
     uses = raw.get("uses", [])
     if not isinstance(uses, list) or not all(isinstance(u, str) and PREFIX.fullmatch(u) and u[0] != "." for u in uses):
         raise _bad_state(where, f"uses of {prefix!r} must list names of folders in the directory, not {uses!r}")
+    for name in uses:  # retention keeps, then deletes, what these name: never anything but a checkpoint
+        if not CHECKPOINT_NAME.fullmatch(name) or name == prefix:
+            raise _bad_state(
+                where,
+                f"uses of {prefix!r} names {name!r}, which is no other checkpoint of the directory (a checkpoint "
+                "is named <name>-<number>, as ckpt-3); a manager deletes what uses names once nothing uses it, "
+                "so nothing was deleted",
+            )
     path = os.path.join(directory, prefix)
     return CheckpointInfo(path, step, float(when), dict(metrics), bool(preserved), tuple(uses))
 

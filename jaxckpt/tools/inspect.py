@@ -100,6 +100,17 @@ class CheckpointView:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def close(self) -> None:
+        """Let go of the checkpoint's folder, which the view holds open; reading a value after this
+        opens its files by their paths again. ``with jaxckpt.inspect(path) as view:`` closes it."""
+        self._opened.close()
+
+    def __enter__(self) -> CheckpointView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __getitem__(self, key: str) -> Any:
         """One value, read from the checkpoint: arrays as numpy, Python values as saved."""
         self._opened.leaf(key)  # a clear MissingKeyError for a wrong key
