@@ -18,6 +18,7 @@ from jaxckpt._errors import (
     RestoreAssertionError,
 )
 from jaxckpt._gc_pause import gc_paused
+from jaxckpt.checkpoint.foreign_keys import leafless, variable_values
 from jaxckpt.format.keys import unescape_edge
 from jaxckpt.format.records import NUMPY, ArrayLeaf, InForeign, Leaf, ValueLeaf, scalar_type
 from jaxckpt.interop import formats
@@ -27,7 +28,7 @@ from jaxckpt.reading.templates import NO_TEMPLATE
 from jaxckpt.runtime import background
 from jaxckpt.storage import locations
 from jaxckpt.storage.locations import PathLike
-from jaxckpt.tree.objects import build, flatten, placeholders_message, rebuild
+from jaxckpt.tree.objects import Flat, build, flatten, placeholders_message, rebuild
 
 
 def summarize(keys: Iterable[str], limit: int = 20) -> str:
@@ -303,10 +304,11 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
     index = opened.index
     if like is NO_TEMPLATE:
         return build(index.nodes, opened.load(dict.fromkeys(index.leaves, NO_TEMPLATE)))
-    templates = flatten(like).leaves
+    flat = flatten(like)
+    templates = flat.leaves
     # One pass over the keys: each lookup in a table of a million leaves is a cache miss.
     saved = index.leaves
-    wanted: dict[str, Any] = {}
+    wanted: dict[str, Any] = {}  # by checkpoint key
     leaves: list[Leaf] = []  # wanted's, handed to load
     missing: list[str] = []
     for k, t in templates.items():
@@ -316,13 +318,20 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
             leaves.append(leaf)
         else:
             missing.append(k)
+    # Orbax's NNX Variables, stored as `<key>/value`: template key -> checkpoint key (see foreign_keys).
+    renamed = variable_values(missing, flat.nodes, opened.variable_nodes) if missing else {}
+    if renamed:
+        for k, stored in renamed.items():
+            wanted[stored] = templates[k]
+            leaves.append(saved[stored])
+        missing = [k for k in missing if k not in renamed]
     placeholders = [k for k in missing if isinstance(templates[k], jax.ShapeDtypeStruct)]
     if partial and placeholders:  # before reading anything: this restore cannot succeed
         raise MissingKeyError(placeholders_message(placeholders))
     if not partial:
         # None unused where `like` has every key (the common case): the index's graph need not be walked.
-        fits = not missing and len(templates) == len(index.leaves)
-        unused = [] if fits else [k for k in index.keys_under("") if k not in templates]
+        fits = not missing and len(wanted) == len(index.leaves)
+        unused = [] if fits else _unused(opened, flat, set(renamed.values()))
         if missing or unused:
             parts = [f"The checkpoint {str(opened.path)!r} does not match the structure of `like`."]
             if missing:
@@ -331,7 +340,21 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
                 parts.append(f"  In the checkpoint but not in `like` ({len(unused)}):\n{summarize(unused)}")
             parts.append("Pass partial=True to restore only the keys in common.")
             raise MismatchError("\n".join(parts))
-    return rebuild(like, opened.load(wanted, leaves))
+    values = opened.load(wanted, leaves)
+    for k, stored in renamed.items():
+        values[k] = values.pop(stored)
+    return rebuild(like, values)
+
+
+def _unused(opened: Opened, flat: Flat, taken: set[str]) -> list[str]:
+    """The checkpoint's keys that no leaf of the template takes: not its keys, not ``taken`` (by
+    another name), not a None of Orbax's where the template has a leafless node (see foreign_keys)."""
+    templates, empty_or_none = flat.leaves, opened.empty_or_none
+    return [
+        k
+        for k in opened.index.keys_under("")
+        if k not in templates and k not in taken and not (k in empty_or_none and leafless(k, flat.nodes, templates))
+    ]
 
 
 def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:

@@ -14,7 +14,13 @@ What is read
     Python scalars (value type ``scalar``), strings (``_strings.json``) and ``None`` are
     ``ValueLeaf`` records; numpy and jax arrays, 0-d ones included, are ``ArrayLeaf`` records, whose
     ``sharding`` says how a sharded array was laid out when saved (from ``_sharding``, for listings).
-    Empty containers (``{}``, ``[]``) are empty dicts.
+    Empty containers (``{}``, ``[]``) are empty dicts. Orbax stores every other pytree node without
+    leaves (optax's ``EmptyState()``) as ``None`` too: such a ``None`` is marked as standing for one
+    (``Entry.stands_for_empty``), so that it restores into a template's leafless node. A typed PRNG
+    key array is stored as its raw key data, with the implementation in ``array_metadatas/process_<i>``
+    (``ext_metadata``): it is a PRNG key ``ArrayLeaf`` of that implementation. A Flax NNX Variable is
+    stored with its value under the edge ``value`` (``linear/kernel/value``): the reader says so
+    (``variable_value_edge``), for templates that hold Variables there.
 
     A JSON item (``JsonSave``; the file ``metadata`` in its folder): its values, a dict becoming
     nested keys (lists too, with their indices as edges).
@@ -84,6 +90,8 @@ from jaxckpt.interop.orbax_metadata import (
     leaf_name,
     malformed,
     parse_json,
+    prng_impls,
+    prng_leaf,
     read_json,
     sharding_table,
     zarr2_array,
@@ -220,6 +228,8 @@ class Reader:
     """An opened Orbax checkpoint: one item, or the items of one step folder."""
 
     name = NAME
+    # Orbax saves a Flax NNX Variable as the pytree JAX flattens it to: its value under the edge "value".
+    variable_value_edge = "value"
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -340,8 +350,8 @@ class Reader:
                 raise malformed(f"{what} ({file!r})", "a value_type", kind)
             full = (*prefix, *edges)
             # None and empty containers are saved as skip_deserialize: their value type is all there is.
-            if kind == "None":
-                slots.append(Entry(full, ValueLeaf("none", None)))
+            if kind == "None":  # None, and every node without leaves (optax's EmptyState()) too
+                slots.append(Entry(full, ValueLeaf("none", None), stands_for_empty=True))
             elif kind in _EMPTY_TYPES:
                 slots.append(Entry(full, None, note=EMPTY_DICT))
             elif value.get("skip_deserialize") is True:
@@ -368,8 +378,13 @@ class Reader:
             ZARR_METADATA_LIMIT,
         )
         shardings = sharding_table(folder) if arrays else {}
+        key_impls = prng_impls(folder) if arrays else {}
         for (slot, full, key, name, kind, value, what), raw in zip(arrays, raws):
-            slots[slot] = self._array(full, key, name, kind, value, kvstore, layout, what, raw, shardings.get(name))
+            entry = self._array(full, key, name, kind, value, kvstore, layout, what, raw, shardings.get(name))
+            impl = key_impls.get(name)
+            if impl is not None and isinstance(entry.leaf, ArrayLeaf):
+                entry = Entry(entry.edges, prng_leaf(entry.leaf, impl, what))
+            slots[slot] = entry
         self._entries.extend(entry for entry in slots if entry is not None)
 
     def _array(
