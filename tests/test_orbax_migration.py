@@ -263,3 +263,86 @@ def test_key_impl_on_an_array_of_another_shape_is_refused(tmp_path):
 
     with pytest.raises(CheckpointFormatError, match=r"linear/kernel/value.*float32 of shape \(3, 4\)"):
         jaxckpt.restore(crafted(tmp_path, mark))
+
+
+# --- item 4: grain's data-iterator item ------------------------------------------------------------
+
+grain = pytest.importorskip("grain")
+
+
+def map_dataset_iterator():
+    """The fixture's iterator, as a restarted job builds it: at its start."""
+    return iter(grain.MapDataset.range(100).shuffle(seed=0).batch(4).to_iter_dataset())
+
+
+def data_loader_iterator():
+    sampler = grain.samplers.IndexSampler(
+        num_records=100, shard_options=grain.sharding.NoSharding(), shuffle=True, num_epochs=1, seed=0
+    )
+    return iter(
+        grain.DataLoader(
+            data_source=grain.sources.RangeDataSource(0, 100, 1),
+            sampler=sampler,
+            operations=[grain.transforms.Batch(batch_size=4)],
+            worker_count=0,
+        )
+    )
+
+
+def batches(iterator, n: int = 3) -> list[list[int]]:
+    return [np.asarray(next(iterator)).tolist() for _ in range(n)]
+
+
+def test_grain_dataset_iterator_continues_where_orbax_saved_it(expected, arrays):
+    step = os.path.join(GOLDEN, "grain_iter", "5")
+    iterator = map_dataset_iterator()
+    restored = jaxckpt.restore(step, like={"items": fresh_state(optax.adam(1e-3)), "iter": iterator})
+    assert restored["iter"] is iterator
+    assert batches(iterator) == expected["grain_iter"]["next_after_save"]
+    assert_bit_equal(leaves_by_key(restored["items"]), arrays, "grain_iter@template:")
+
+
+def test_grain_data_loader_iterator_in_a_checkpoint(expected):
+    """A DataLoader's iterator takes its state as bytes: given the JSON's bytes, as grain's handler does."""
+    iterator = data_loader_iterator()
+    assert batches(iterator, 1) != expected["grain_dataloader_iter"]["next_after_save"][:1]  # at its start
+    iterator = data_loader_iterator()
+    ckpt = jaxckpt.Checkpoint(items=fresh_state(optax.adam(1e-3)), iter=iterator)
+    status = ckpt.restore(os.path.join(GOLDEN, "grain_dataloader_iter", "5"))
+    status.assert_consumed()
+    assert status.skipped_keys == []
+    assert batches(iterator) == expected["grain_dataloader_iter"]["next_after_save"]
+
+
+def test_grain_state_without_template(expected):
+    step = os.path.join(GOLDEN, "grain_dataloader_iter", "5")
+    assert (
+        jaxckpt.restore(step)["iter"] == expected["grain_dataloader_iter"]["iter_files"]["process_0-of-1.json"]["json"]
+    )
+    assert jaxckpt.load_variable(os.path.join(GOLDEN, "grain_iter", "5"), "iter") == {"next_index": 5}
+    assert ("iter", ()) in jaxckpt.list_variables(step)
+
+
+def grain_copy(tmp_path, files: dict[str, dict]) -> str:
+    step = str(tmp_path / "5")
+    shutil.copytree(os.path.join(GOLDEN, "grain_iter", "5"), step)
+    os.remove(os.path.join(step, "iter", "process_0-of-1.json"))
+    for name, state in files.items():
+        with open(os.path.join(step, "iter", name), "w", encoding="utf-8") as f:
+            json.dump(state, f)
+    return step
+
+
+def test_grain_states_of_two_processes(tmp_path):
+    step = grain_copy(tmp_path, {"process_0-of-2.json": {"next_index": 5}, "process_1-of-2.json": {"next_index": 6}})
+    assert jaxckpt.load_variable(step, "iter") == [{"next_index": 5}, {"next_index": 6}]
+    with pytest.raises(MismatchError, match=r"'iter'.*the object states of 2 processes.*this run has 1 process"):
+        jaxckpt.restore(step, like={"items": fresh_state(optax.adam(1e-3)), "iter": map_dataset_iterator()})
+
+
+def test_grain_item_missing_a_process_file(tmp_path):
+    step = grain_copy(tmp_path, {"process_1-of-2.json": {"next_index": 6}})
+    with pytest.raises(
+        jaxckpt.CheckpointCorruptedError, match=r"one file process_<i>-of-<n>.json.*process_1-of-2.json"
+    ):
+        jaxckpt.restore(step)

@@ -20,6 +20,17 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from jaxckpt.format.keys import NNX, NodeInfo, child_keys
+from jaxckpt.reading.reader import Opened
+from jaxckpt.tree.objects import Flat
+
+
+def foreign_matches(opened: Opened, flat: Flat, missing: list[str]) -> tuple[dict[str, str], list[str]]:
+    """What the template ``flat`` takes of ``opened`` beyond its own keys: ``{template key: checkpoint
+    key}`` of the NNX Variables among ``missing`` (template leaves the checkpoint lacks), and the
+    checkpoint keys of Orbax's ``None`` values that stand for the template's leafless nodes."""
+    renamed = variable_values(missing, flat.nodes, opened.variable_nodes) if missing else {}
+    empties = [k for k in opened.empty_or_none if k not in flat.leaves and leafless(k, flat.nodes, flat.leaves)]
+    return renamed, empties
 
 
 def variable_values(

@@ -18,7 +18,7 @@ from jaxckpt._errors import (
     RestoreAssertionError,
 )
 from jaxckpt._gc_pause import gc_paused
-from jaxckpt.checkpoint.foreign_keys import leafless, variable_values
+from jaxckpt.checkpoint.foreign_keys import foreign_matches
 from jaxckpt.format.keys import unescape_edge
 from jaxckpt.format.records import NUMPY, ArrayLeaf, InForeign, Leaf, ValueLeaf, scalar_type
 from jaxckpt.interop import formats
@@ -318,8 +318,8 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
             leaves.append(leaf)
         else:
             missing.append(k)
-    # Orbax's NNX Variables, stored as `<key>/value`: template key -> checkpoint key (see foreign_keys).
-    renamed = variable_values(missing, flat.nodes, opened.variable_nodes) if missing else {}
+    # Orbax's NNX Variables, stored as `<key>/value`, and its None for leafless nodes (see foreign_keys).
+    renamed, empties = foreign_matches(opened, flat, missing)
     if renamed:
         for k, stored in renamed.items():
             wanted[stored] = templates[k]
@@ -331,7 +331,7 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
     if not partial:
         # None unused where `like` has every key (the common case): the index's graph need not be walked.
         fits = not missing and len(wanted) == len(index.leaves)
-        unused = [] if fits else _unused(opened, flat, set(renamed.values()))
+        unused = [] if fits else _unused(opened, flat, {*renamed.values(), *empties})
         if missing or unused:
             parts = [f"The checkpoint {str(opened.path)!r} does not match the structure of `like`."]
             if missing:
@@ -347,14 +347,10 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
 
 
 def _unused(opened: Opened, flat: Flat, taken: set[str]) -> list[str]:
-    """The checkpoint's keys that no leaf of the template takes: not its keys, not ``taken`` (by
-    another name), not a None of Orbax's where the template has a leafless node (see foreign_keys)."""
-    templates, empty_or_none = flat.leaves, opened.empty_or_none
-    return [
-        k
-        for k in opened.index.keys_under("")
-        if k not in templates and k not in taken and not (k in empty_or_none and leafless(k, flat.nodes, templates))
-    ]
+    """The checkpoint's keys that no leaf of the template takes: not its keys, nor ``taken`` (by another
+    name, or as a leafless node: see foreign_keys)."""
+    templates = flat.leaves
+    return [k for k in opened.index.keys_under("") if k not in templates and k not in taken]
 
 
 def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:

@@ -25,6 +25,12 @@ What is read
     A JSON item (``JsonSave``; the file ``metadata`` in its folder): its values, a dict becoming
     nested keys (lists too, with their indices as edges).
 
+    A data iterator's state saved by grain's checkpoint handler (``grain.checkpoint.CheckpointSave``,
+    an item of a step folder): its ``process_<i>-of-<n>.json`` files, each the JSON of one process's
+    ``get_state()``, as an object state (one per process where there were several), which restores
+    into an iterator through ``set_state`` (a ``DataLoader``'s iterator, whose state is bytes, is given
+    the JSON's bytes, as grain's handler does).
+
     A step folder of Composite items (``run/30``): every item, its keys prefixed by the item's name
     (``state/params/w``, ``meta/step``); items are those that ``_CHECKPOINT_METADATA`` names, or
     without it the subfolders that hold a PyTree or JSON item.
@@ -107,6 +113,7 @@ STRINGS_FILE = "_strings.json"  # StringHandler: every str leaf of an item, by n
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # a folder still being written (Orbax renames it when done)
 
 _STEP = re.compile(r"^(?:[^/]*_)?([0-9]{1,18})$")  # "30", or "checkpoint_30" with a step_prefix
+_GRAIN_FILE = re.compile(r"^process_([0-9]{1,6})-of-([0-9]{1,6})\.json$")  # grain's handler, per process
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 # Empty containers: nodes of the tree, with no values below. Every node of a foreign checkpoint is a
 # dict (a list's edges are its indices), so each is an empty dict.
@@ -273,11 +280,39 @@ class Reader:
             if value is None:
                 raise CheckpointCorruptedError(f"The JSON item {folder!r} has no file {JSON_ITEM_FILE!r}.")
             self._json(value, prefix, f"{folder!r}", 0)
+        elif handler.startswith("grain.") or (not handler and any(_GRAIN_FILE.match(n) for n in names)):
+            self._grain_item(folder, prefix, names)
         elif "checkpoint" in names:
             raise _old_layout(folder)
         else:
             what = handler.rsplit(".", 1)[-1] or "unknown handler"
             self._entries.append(Entry(prefix or ("item",), None, note=f"Orbax item of {what}"))
+
+    def _grain_item(self, folder: str, prefix: tuple[str, ...], names: set[str]) -> None:
+        """A data iterator's state that grain's checkpoint handler saved: one ``process_<i>-of-<n>.json``
+        per process, each the JSON of that process's ``get_state()``; an object state (one per process
+        where there were several), which restores into an iterator through its ``set_state``."""
+        files: dict[int, tuple[int, str]] = {}
+        for name in names:
+            match = _GRAIN_FILE.match(name)
+            if match is not None:
+                files[int(match.group(1))] = (int(match.group(2)), name)
+        counts = {n for n, _ in files.values()}
+        if len(counts) != 1 or set(files) != set(range(next(iter(counts)))):
+            found = sorted(name for _, name in files.values())[:8]
+            raise CheckpointCorruptedError(
+                f"The grain data-iterator item {folder!r} should hold one file process_<i>-of-<n>.json for each "
+                f"process i of n; it holds {found or 'none'}. It is incomplete or was partly deleted."
+            )
+        states = []
+        for process in range(len(files)):
+            file = os.path.join(folder, files[process][1])
+            state = read_json(file, METADATA_LIMIT, "grain's data-iterator state")
+            if state is None:
+                raise CheckpointCorruptedError(f"{file!r} vanished while the checkpoint was read.")
+            states.append(ValueLeaf("state", state))
+        leaf = states[0] if len(states) == 1 else ValueLeaf("state_per_process", tuple(states))
+        self._entries.append(Entry(prefix or ("iter",), leaf))
 
     def _json(self, value: Any, edges: tuple[str, ...], what: str, depth: int) -> None:
         if depth > MAX_DEPTH:
