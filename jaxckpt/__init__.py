@@ -31,7 +31,15 @@ from jaxckpt.checkpoint.restore import RestoreStatus, list_variables, load_varia
 from jaxckpt.checkpoint.slots import SlotReport, restore_slots
 from jaxckpt.format.records import FORMAT_VERSION
 from jaxckpt.manager.checkpoint_manager import CheckpointManager
-from jaxckpt.manager.policies import KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
+from jaxckpt.manager.policies import (
+    KeepAny,
+    KeepBest,
+    KeepEvery,
+    KeepLatest,
+    KeepMultiplesOf,
+    KeepSpaced,
+    RetentionPolicy,
+)
 from jaxckpt.manager.preemption import PreemptionHandler
 from jaxckpt.reading.open import latest_checkpoint
 from jaxckpt.storage.statefile import CheckpointInfo
@@ -53,6 +61,8 @@ __all__ = [
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
+    "KeepMultiplesOf",
+    "KeepSpaced",
     "ManagerLockedError",
     "ManagerView",
     "MismatchError",

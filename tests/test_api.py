@@ -8,7 +8,7 @@ PUBLIC = {
     "FORMAT_VERSION",
     # training loops
     "CheckpointManager", "latest_checkpoint", "CheckpointInfo", "RetentionPolicy",
-    "KeepLatest", "KeepEvery", "KeepBest", "KeepAny", "restore_slots", "SlotReport",
+    "KeepLatest", "KeepEvery", "KeepMultiplesOf", "KeepSpaced", "KeepBest", "KeepAny", "restore_slots", "SlotReport",
     "PreemptionHandler",
     # inspection
     "inspect", "CheckpointView", "ManagerView",

@@ -39,6 +39,7 @@ PARAMETERS = {
 # The public calls and attributes, on a manager of one tier or two alike.
 PUBLIC = {
     "all_steps",
+    "best_step",
     "checkpoint",
     "checkpoint_infos",
     "checkpoint_interval",
@@ -186,3 +187,20 @@ def test_a_two_tier_option_without_local_directory_is_refused(tmp_path, option):
     with pytest.raises(ValueError, match=f"{name}.*local_directory"):
         jaxckpt.CheckpointManager(jaxckpt.Checkpoint(x=np.zeros(2)), tmp_path / "ckpts", **option)
     assert not (tmp_path / "ckpts").exists()
+
+
+def test_best_step_follows_the_keep_best_policy(tmp_path):
+    """Orbax's best_step(): by the KeepBest policy's metric and mode (ties: the older); the latest without one."""
+    policies = [jaxckpt.KeepLatest(1) | jaxckpt.KeepBest(2, metric="acc", mode="max")]
+    with jaxckpt.CheckpointManager(_ckpt(), str(tmp_path / "best"), policies=policies) as manager:
+        assert manager.best_step() is None
+        manager.save(1)  # no metric: never the best
+        assert manager.best_step() is None
+        for step, acc in ((2, 0.5), (3, 0.9), (4, 0.9), (5, 0.1)):
+            manager.save(step, metrics={"acc": acc})
+        assert manager.all_steps() == [3, 4, 5] and manager.best_step() == 3
+    with jaxckpt.CheckpointManager(_ckpt(), str(tmp_path / "latest"), max_to_keep=2) as manager:
+        assert manager.best_step() is None
+        manager.save(1, metrics={"loss": 0.1})
+        manager.save(2, metrics={"loss": 0.9})
+        assert manager.best_step() == 2  # no KeepBest: the latest, as Orbax's without best_fn

@@ -346,3 +346,92 @@ def test_grain_item_missing_a_process_file(tmp_path):
         jaxckpt.CheckpointCorruptedError, match=r"one file process_<i>-of-<n>.json.*process_1-of-2.json"
     ):
         jaxckpt.restore(step)
+
+
+# --- item 5: Orbax's retention, step by step -------------------------------------------------------
+
+# Each Orbax run of record.json, as a jaxckpt manager's options.
+RETENTION = {
+    "ocp.CheckpointManagerOptions(max_to_keep=2, keep_period=8192, save_interval_steps=2048)": dict(
+        max_to_keep=2, policies=[jaxckpt.KeepMultiplesOf(8192)], save_interval_steps=2048
+    ),
+    "ocp.CheckpointManagerOptions(preservation_policy=cm.AnyPreservationPolicy([cm.LatestN(n=2), "
+    "cm.EveryNSteps(interval_steps=8192)]), save_decision_policy=cm.FixedIntervalPolicy(2048))  "
+    "# cm = ocp.checkpoint_managers": dict(
+        policies=[jaxckpt.KeepLatest(2) | jaxckpt.KeepMultiplesOf(8192)], save_interval_steps=2048
+    ),
+    "ocp.CheckpointManagerOptions(preservation_policy=cm.AnyPreservationPolicy([cm.LatestN(n=2), "
+    "cm.EveryNSteps(interval_steps=8192, exact_interval=False)]), save_decision_policy=cm.FixedIntervalPolicy(2048))": dict(
+        policies=[jaxckpt.KeepLatest(2) | jaxckpt.KeepSpaced(8192)], save_interval_steps=2048
+    ),
+    "ocp.CheckpointManagerOptions(max_to_keep=2, keep_period=8192, save_interval_steps=1)": dict(
+        max_to_keep=2, policies=[jaxckpt.KeepMultiplesOf(8192)], save_interval_steps=1
+    ),
+    "ocp.CheckpointManagerOptions(preservation_policy=cm.AnyPreservationPolicy([cm.LatestN(n=2), "
+    "cm.EveryNSteps(interval_steps=8192, exact_interval=False)]))": dict(
+        policies=[jaxckpt.KeepLatest(2) | jaxckpt.KeepSpaced(8192)]
+    ),
+    "ocp.CheckpointManagerOptions(max_to_keep=2, best_fn=lambda m: m['loss'], best_mode='min')": dict(
+        policies=[jaxckpt.KeepBest(2, metric="loss", mode="min")]
+    ),
+}
+
+
+def runs(name: str) -> list[dict]:
+    with open(os.path.join(GOLDEN, name, "record.json"), encoding="utf-8") as f:
+        return json.load(f)["runs"]
+
+
+def replay(tmp_path, run: dict, index: int):
+    """Each save of ``run`` on a jaxckpt manager with the options that stand for Orbax's; yields
+    (the Orbax record of the save, the manager after it)."""
+    options = RETENTION[run["options"]]
+    directory = str(tmp_path / f"run{index}")
+    with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(w=np.zeros(2, np.float32)), directory, **options) as manager:
+        for record in run["saves"]:
+            saved = manager.save(record["step"], metrics=record.get("metrics"))  # its path, or None
+            assert (saved is not None) == record["saved"]
+            manager.wait_until_finished()
+            yield record, manager
+    reopened = jaxckpt.CheckpointManager(
+        jaxckpt.Checkpoint(w=np.zeros(2, np.float32)), directory, read_only=True, **options
+    )
+    with reopened:
+        yield run["reopened"], reopened
+
+
+@pytest.mark.parametrize("run", range(5))
+def test_keep_period_and_every_n_steps_as_orbax(tmp_path, run):
+    """KeepMultiplesOf is keep_period / EveryNSteps(N); KeepSpaced is EveryNSteps(N, exact_interval=False)."""
+    recorded = runs("retention_keep_period")[run]
+    for record, manager in replay(tmp_path, recorded, run):
+        assert manager.all_steps() == record["all_steps"], record.get("step")
+        assert manager.latest_step() == record["latest_step"]
+        assert manager.best_step() == record["best_step"]  # without KeepBest: the latest, as Orbax's
+
+
+def test_keep_every_differs_where_no_step_is_a_multiple(tmp_path):
+    """KeepEvery(steps=N) keeps the first checkpoint of each window: Orbax keeps multiples only."""
+    recorded = runs("retention_keep_period")[3]
+    assert recorded["saves"][-1]["all_steps"] == [8192, 16384, 19000]
+    ckpt = jaxckpt.Checkpoint(w=np.zeros(2, np.float32))
+    policy = jaxckpt.KeepLatest(2) | jaxckpt.KeepEvery(steps=8192)
+    with jaxckpt.CheckpointManager(ckpt, str(tmp_path / "every"), policies=[policy]) as manager:
+        for record in recorded["saves"]:
+            manager.save(record["step"])
+        assert manager.all_steps() == [1000, 8192, 16384, 19000]  # 1000: the first of [0, 8192)
+
+
+def test_best_fn_keeps_the_latest_too(tmp_path):
+    """Orbax's max_to_keep with best_fn keeps the best N alone, deleting a new step worse than them
+    at once; jaxckpt always keeps the latest as well (a restart resumes from it). best_step() agrees."""
+    (recorded,) = runs("retention_best_fn")
+    deleted_at_once = 0
+    latest = None
+    for record, manager in replay(tmp_path, recorded, 0):
+        latest = record.get("step", latest)  # the reopened manager's record has none: the last save's
+        assert manager.all_steps() == sorted({*record["all_steps"], latest})
+        assert manager.latest_step() == latest
+        assert manager.best_step() == record["best_step"]
+        deleted_at_once += latest not in record["all_steps"]
+    assert deleted_at_once == 3  # steps 5 and 7 as saved, and 7 again on reopening: Orbax lost its newest
