@@ -41,6 +41,7 @@ from jaxckpt.manager.policies import (
     RetentionPolicy,
 )
 from jaxckpt.manager.preemption import PreemptionHandler
+from jaxckpt.reading.follow import checkpoints_iterator
 from jaxckpt.reading.open import latest_checkpoint
 from jaxckpt.storage.statefile import CheckpointInfo
 from jaxckpt.tools.inspect import CheckpointView, ManagerView, inspect
@@ -77,6 +78,7 @@ __all__ = [
     "UnsupportedValueError",
     "UnsupportedVersionError",
     "UnusedValuesWarning",
+    "checkpoints_iterator",
     "inspect",
     "latest_checkpoint",
     "list_variables",

@@ -4,7 +4,7 @@ status that ``Checkpoint.restore`` returns, and ``key_map``, which renames or ch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -19,8 +19,8 @@ from jaxckpt._errors import (
 )
 from jaxckpt._gc_pause import gc_paused
 from jaxckpt.checkpoint.foreign_keys import foreign_matches
-from jaxckpt.format.keys import unescape_edge
-from jaxckpt.format.records import NUMPY, ArrayLeaf, InForeign, Leaf, ValueLeaf, scalar_type
+from jaxckpt.format.keys import CHECKPOINT, DICT, join, unescape_edge
+from jaxckpt.format.records import NUMPY, ArrayLeaf, Index, InForeign, Leaf, ValueLeaf, scalar_type
 from jaxckpt.interop import formats
 from jaxckpt.reading.open import ForeignOpened, open_latest
 from jaxckpt.reading.reader import Opened
@@ -325,13 +325,18 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
             wanted[stored] = templates[k]
             leaves.append(saved[stored])
         missing = [k for k in missing if k not in renamed]
+    # A template's `{}` where the checkpoint holds a dict of Python values (a JSON child): that dict, as saved.
+    json_nodes = json_children(index, flat)
+    for keys in json_nodes.values():
+        wanted.update(dict.fromkeys(keys, NO_TEMPLATE))
+        leaves.extend(saved[k] for k in keys)
     placeholders = [k for k in missing if isinstance(templates[k], jax.ShapeDtypeStruct)]
     if partial and placeholders:  # before reading anything: this restore cannot succeed
         raise MissingKeyError(placeholders_message(placeholders))
     if not partial:
         # None unused where `like` has every key (the common case): the index's graph need not be walked.
         fits = not missing and len(wanted) == len(index.leaves)
-        unused = [] if fits else _unused(opened, flat, {*renamed.values(), *empties})
+        unused = [] if fits else _unused(opened, wanted, {*empties, *save_counters(index)})
         if missing or unused:
             parts = [f"The checkpoint {str(opened.path)!r} does not match the structure of `like`."]
             if missing:
@@ -343,14 +348,43 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
     values = opened.load(wanted, leaves)
     for k, stored in renamed.items():
         values[k] = values.pop(stored)
+    for node in json_nodes:
+        values[node] = build(index.nodes, values, node)
     return rebuild(like, values)
 
 
-def _unused(opened: Opened, flat: Flat, taken: set[str]) -> list[str]:
-    """The checkpoint's keys that no leaf of the template takes: not its keys, nor ``taken`` (by another
-    name, or as a leafless node: see foreign_keys)."""
-    templates = flat.leaves
-    return [k for k in opened.index.keys_under("") if k not in templates and k not in taken]
+def _unused(opened: Opened, wanted: Mapping[str, Any], taken: set[str]) -> list[str]:
+    """The checkpoint's keys that the template does not take: not ``wanted`` (by its own name or another,
+    see foreign_keys), nor ``taken`` (Orbax's None as a leafless node, a Checkpoint's save counter)."""
+    return [k for k in opened.index.keys_under("") if k not in wanted and k not in taken]
+
+
+SAVE_COUNTER = "save_counter"  # a Checkpoint's count of its saves, stored beside its children
+_JSON_TYPES = frozenset({"int", "float", "bool", "str", "none"})
+
+
+def save_counters(index: Index) -> list[str]:
+    """The keys of the save counters of the Checkpoints that were saved (a manager saves one): a
+    template that is a plain pytree has none, and needs none restored."""
+    keys = (join(k, SAVE_COUNTER) for k, info in index.nodes.items() if info.kind == CHECKPOINT)
+    return [k for k in keys if k in index.leaves]
+
+
+def json_children(index: Index, flat: Flat) -> dict[str, list[str]]:
+    """The template's empty dicts (``{}``) where the checkpoint holds a dict of Python values only (a
+    JSON child, as a run's configuration): node key -> the checkpoint's keys below it, restored as
+    saved. A dict with arrays below it is no JSON child: its arrays need a template."""
+    out: dict[str, list[str]] = {}
+    for key, info in flat.nodes.items():
+        if info.kind != DICT or info.keys:
+            continue
+        stored = index.nodes.get(key)
+        if stored is None or stored.kind != DICT or not stored.keys:
+            continue
+        keys = index.keys_under(key)
+        if all(isinstance(leaf := index.leaves[k], ValueLeaf) and leaf.type in _JSON_TYPES for k in keys):
+            out[key] = keys
+    return out
 
 
 def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:
