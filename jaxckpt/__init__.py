@@ -31,8 +31,17 @@ from jaxckpt.checkpoint.restore import RestoreStatus, list_variables, load_varia
 from jaxckpt.checkpoint.slots import SlotReport, restore_slots
 from jaxckpt.format.records import FORMAT_VERSION
 from jaxckpt.manager.checkpoint_manager import CheckpointManager
-from jaxckpt.manager.policies import KeepAny, KeepBest, KeepEvery, KeepLatest, RetentionPolicy
+from jaxckpt.manager.policies import (
+    KeepAny,
+    KeepBest,
+    KeepEvery,
+    KeepLatest,
+    KeepMultiplesOf,
+    KeepSpaced,
+    RetentionPolicy,
+)
 from jaxckpt.manager.preemption import PreemptionHandler
+from jaxckpt.reading.follow import checkpoints_iterator
 from jaxckpt.reading.open import latest_checkpoint
 from jaxckpt.storage.statefile import CheckpointInfo
 from jaxckpt.tools.inspect import CheckpointView, ManagerView, inspect
@@ -53,6 +62,8 @@ __all__ = [
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
+    "KeepMultiplesOf",
+    "KeepSpaced",
     "ManagerLockedError",
     "ManagerView",
     "MismatchError",
@@ -67,6 +78,7 @@ __all__ = [
     "UnsupportedValueError",
     "UnsupportedVersionError",
     "UnusedValuesWarning",
+    "checkpoints_iterator",
     "inspect",
     "latest_checkpoint",
     "list_variables",

@@ -7,8 +7,8 @@ PUBLIC = {
     "Checkpoint", "RestoreStatus", "save", "restore", "wait_until_finished", "list_variables", "load_variable",
     "FORMAT_VERSION",
     # training loops
-    "CheckpointManager", "latest_checkpoint", "CheckpointInfo", "RetentionPolicy",
-    "KeepLatest", "KeepEvery", "KeepBest", "KeepAny", "restore_slots", "SlotReport",
+    "CheckpointManager", "latest_checkpoint", "checkpoints_iterator", "CheckpointInfo", "RetentionPolicy",
+    "KeepLatest", "KeepEvery", "KeepMultiplesOf", "KeepSpaced", "KeepBest", "KeepAny", "restore_slots", "SlotReport",
     "PreemptionHandler",
     # inspection
     "inspect", "CheckpointView", "ManagerView",

@@ -30,6 +30,10 @@ def _foreign_fixtures(workdir: Path) -> None:
     for f in (GOLDEN / "tf/tf1").glob("model.ckpt-42.*"):
         shutil.copy(f, workdir / "estimator" / f.name)
     shutil.copytree(GOLDEN / "orbax/run", workdir / "orbax_run")
+    migration = GOLDEN / "orbax_migration"
+    shutil.copytree(migration / "trainstate_adam", workdir / "orbax_trainstate")
+    shutil.copytree(migration / "nnx_state", workdir / "orbax_nnx")
+    shutil.copytree(migration / "grain_iter", workdir / "orbax_grain_run")
     shutil.copy(GOLDEN / "msgpack/params.msgpack", workdir / "params.msgpack")
     shutil.copy(GOLDEN / "safetensors/model.safetensors", workdir / "model.safetensors")
 

@@ -4,6 +4,7 @@ every public call documented on it, the same surface with one tier or two."""
 import contextlib
 import inspect
 import io
+import os
 
 import numpy as np
 import pytest
@@ -39,6 +40,7 @@ PARAMETERS = {
 # The public calls and attributes, on a manager of one tier or two alike.
 PUBLIC = {
     "all_steps",
+    "best_step",
     "checkpoint",
     "checkpoint_infos",
     "checkpoint_interval",
@@ -186,3 +188,100 @@ def test_a_two_tier_option_without_local_directory_is_refused(tmp_path, option):
     with pytest.raises(ValueError, match=f"{name}.*local_directory"):
         jaxckpt.CheckpointManager(jaxckpt.Checkpoint(x=np.zeros(2)), tmp_path / "ckpts", **option)
     assert not (tmp_path / "ckpts").exists()
+
+
+def test_best_step_follows_the_keep_best_policy(tmp_path):
+    """Orbax's best_step(): by the KeepBest policy's metric and mode (ties: the older); the latest without one."""
+    policies = [jaxckpt.KeepLatest(1) | jaxckpt.KeepBest(2, metric="acc", mode="max")]
+    with jaxckpt.CheckpointManager(_ckpt(), str(tmp_path / "best"), policies=policies) as manager:
+        assert manager.best_step() is None
+        manager.save(1)  # no metric: never the best
+        assert manager.best_step() is None
+        for step, acc in ((2, 0.5), (3, 0.9), (4, 0.9), (5, 0.1)):
+            manager.save(step, metrics={"acc": acc})
+        assert manager.all_steps() == [3, 4, 5] and manager.best_step() == 3
+    with jaxckpt.CheckpointManager(_ckpt(), str(tmp_path / "latest"), max_to_keep=2) as manager:
+        assert manager.best_step() is None
+        manager.save(1, metrics={"loss": 0.1})
+        manager.save(2, metrics={"loss": 0.9})
+        assert manager.best_step() == 2  # no KeepBest: the latest, as Orbax's without best_fn
+
+
+def test_restore_of_a_managers_directory_into_a_plain_tree(tmp_path):
+    """The save counter that a manager's Checkpoint records is its own: a pytree template needs none."""
+    ckpt = jaxckpt.Checkpoint(state={"w": np.ones(2, np.float32)}, meta={"lr": 0.1, "name": "run"})
+    with jaxckpt.CheckpointManager(ckpt, str(tmp_path / "run")) as manager:
+        manager.save(1)
+    like = {"state": {"w": np.zeros(2, np.float32)}, "meta": {"lr": 0.0, "name": ""}}
+    restored = jaxckpt.restore(str(tmp_path / "run"), like=like)
+    assert restored["meta"] == {"lr": 0.1, "name": "run"} and restored["state"]["w"].tolist() == [1.0, 1.0]
+    with pytest.raises(jaxckpt.MismatchError, match=r"not in `like` \(1\):\n    state/w\n"):
+        jaxckpt.restore(str(tmp_path / "run"), like={"meta": like["meta"]})  # a value is still a value
+
+
+def test_json_child_into_an_empty_dict(tmp_path):
+    """A `{}` where the checkpoint holds a dict of Python values takes that dict, as saved."""
+    meta = {"lr": 0.1, "name": "run", "layers": [4, 2], "extra": {"seed": None}}
+    path = jaxckpt.Checkpoint(w=np.ones(2, np.float32), meta=meta).save(tmp_path / "ckpt")
+    ckpt = jaxckpt.Checkpoint(w=np.zeros(2, np.float32), meta={})
+    ckpt.restore(path).assert_consumed()
+    assert ckpt.meta == meta
+    assert jaxckpt.restore(path, like={"w": np.zeros(2, np.float32), "meta": {}, "save_counter": 0})["meta"] == meta
+    # Arrays need a template: a dict holding one is no JSON child.
+    arrays = jaxckpt.Checkpoint(w=np.ones(2, np.float32), meta={"table": np.ones(3)}).save(tmp_path / "arrays")
+    status = jaxckpt.Checkpoint(w=np.zeros(2, np.float32), meta={}).restore(arrays)
+    assert status.unused_keys == ["meta/table"]
+    status.expect_partial()
+
+
+def test_checkpoints_iterator_follows_a_trainer(tmp_path):
+    """An evaluator beside a trainer thread: each checkpoint is yielded once the trainer saved it.
+    The trainer saves the next only after the evaluator took the last (a queue, not a sleep)."""
+    import queue
+    import threading
+
+    directory = str(tmp_path / "run")
+    taken: queue.Queue[str] = queue.Queue()
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            with jaxckpt.CheckpointManager(_ckpt(), directory, max_to_keep=5) as manager:
+                for step in (1, 2, 3):
+                    manager.save(step)
+                    manager.wait_until_finished()
+                    taken.get(timeout=60)  # the evaluator has seen it
+        except BaseException as e:  # surfaced by the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    seen = []
+    try:
+        for path in jaxckpt.checkpoints_iterator(directory, timeout=60, poll_interval_secs=0.01):
+            seen.append(os.path.basename(path))
+            taken.put(path)
+            if len(seen) == 3:
+                break
+    finally:
+        thread.join(timeout=60)
+    assert not errors and not thread.is_alive()
+    assert seen == ["ckpt-1", "ckpt-2", "ckpt-3"]
+
+
+def test_checkpoints_iterator_timeout(tmp_path):
+    with jaxckpt.CheckpointManager(_ckpt(), str(tmp_path / "run")) as manager:
+        manager.save(7)
+    asked = []
+
+    def done() -> bool:
+        asked.append(True)
+        return len(asked) == 2  # wait once more, then end
+
+    found = list(
+        jaxckpt.checkpoints_iterator(str(tmp_path / "run"), timeout=0, timeout_fn=done, poll_interval_secs=0.01)
+    )
+    assert [os.path.basename(p) for p in found] == ["ckpt-7"] and len(asked) == 2
+    assert list(jaxckpt.checkpoints_iterator(str(tmp_path / "nothing-yet"), timeout=0, poll_interval_secs=0.01)) == []
+    with pytest.raises(ValueError, match="poll_interval_secs must be above 0"):
+        next(jaxckpt.checkpoints_iterator(str(tmp_path / "run"), poll_interval_secs=0))

@@ -260,7 +260,7 @@ def test_nnx_optimizer_in_place(tmp_path):
 
 
 def test_nnx_counts_by_position_when_names_tie(tmp_path):
-    # NNX keeps no state classes, so two counts (adam's, the schedule's) fall back to their position.
+    # NNX keeps no state classes: two counts (adam's, the schedule's) match by their states' fields, in place.
     tx = optax.adam(optax.linear_schedule(0.1, 0.0, 10))
     net = Net(nnx.Rngs(0))
     opt = nnx.Optimizer(net, tx, wrt=nnx.Param)
@@ -271,3 +271,59 @@ def test_nnx_counts_by_position_when_names_tie(tmp_path):
     assert report.matched["optimizer/opt_state/1/count"] == "optimizer/opt_state/1/count"
     assert report.unmatched == {} and report.unused == []
     assert int(opt2.opt_state[1].count[...]) == 1
+
+
+def trained_nnx(tx: optax.GradientTransformation, updates: int) -> tuple[Net, nnx.Optimizer]:
+    net = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(net, tx, wrt=nnx.Param)
+    x = jnp.arange(4.0).reshape(4, 1)
+    for _ in range(updates):
+        opt.update(net, nnx.grad(lambda n: jnp.mean(jnp.abs(n(x) - 1.0)))(net))
+    return net, opt
+
+
+def test_nnx_adamw_schedule_counts_into_a_clipped_chain(tmp_path):
+    # NNX keeps no state classes; the fields of the state holding each count tell adam's
+    # (count, mu, nu) from the schedule's (count alone).
+    schedule = optax.linear_schedule(1e-3, 1e-4, 10)
+    _, opt = trained_nnx(optax.adamw(schedule), updates=3)
+    path = jaxckpt.save(tmp_path / "opt", {"optimizer": opt})
+    opt2 = nnx.Optimizer(
+        Net(nnx.Rngs(1)), optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)), wrt=nnx.Param
+    )
+    _, report = jaxckpt.restore_slots(path, opt2, prefix="optimizer")
+    assert report.matched["optimizer/opt_state/1/0/count"] == "optimizer/opt_state/0/count"
+    assert report.matched["optimizer/opt_state/1/2/count"] == "optimizer/opt_state/2/count"
+    assert report.unmatched == {} and report.unused == []
+    assert int(opt2.opt_state[1][0].count[...]) == 3 and int(opt2.opt_state[1][2].count[...]) == 3
+    assert same_bits(opt2.opt_state[1][0].nu["l1"]["kernel"][...], opt.opt_state[0].nu["l1"]["kernel"][...])
+
+
+def test_nnx_multisteps_into_a_clipped_chain(tmp_path):
+    schedule = optax.linear_schedule(1e-3, 1e-4, 10)
+    _, opt = trained_nnx(optax.MultiSteps(optax.adamw(schedule), every_k_schedule=2), updates=3)
+    path = jaxckpt.save(tmp_path / "opt", {"optimizer": opt})
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
+    opt2 = nnx.Optimizer(Net(nnx.Rngs(1)), optax.MultiSteps(inner, every_k_schedule=2), wrt=nnx.Param)
+    _, report = jaxckpt.restore_slots(path, opt2, prefix="optimizer")
+    assert report.unmatched == {} and report.unused == []
+    state, old = opt2.opt_state, opt.opt_state
+    # Two updates of three made one inner step: the inner counts are 1, the mini step 1 (half way to the next).
+    assert int(state.mini_step[...]) == 1 and int(state.gradient_step[...]) == 1
+    assert int(state.inner_opt_state[1][0].count[...]) == 1 and int(state.inner_opt_state[1][2].count[...]) == 1
+    assert (
+        report.matched["optimizer/opt_state/inner_opt_state/1/2/count"] == "optimizer/opt_state/inner_opt_state/2/count"
+    )
+    assert same_bits(state.acc_grads["l1"]["kernel"][...], old.acc_grads["l1"]["kernel"][...])
+    assert same_bits(state.inner_opt_state[1][0].mu["l1"]["bias"][...], old.inner_opt_state[0].mu["l1"]["bias"][...])
+
+
+def test_optax_chain_from_nnx_counts(tmp_path):
+    # The other way: the checkpoint's NNX dicts into a plain optax state, whose classes one side lacks.
+    params = {"l1": {"kernel": jnp.ones((1, 5)), "bias": jnp.zeros(5)}}
+    schedule = optax.linear_schedule(1e-3, 1e-4, 10)
+    _, opt = trained_nnx(optax.adamw(schedule), updates=2)
+    path = jaxckpt.save(tmp_path / "opt", {"optimizer": opt})
+    fresh = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)).init(params)
+    new, report = jaxckpt.restore_slots(path, fresh, prefix="optimizer/opt_state")
+    assert int(new[1][0].count) == 2 and int(new[1][2].count) == 2 and report.unmatched == {}

@@ -4,7 +4,7 @@ status that ``Checkpoint.restore`` returns, and ``key_map``, which renames or ch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -18,8 +18,9 @@ from jaxckpt._errors import (
     RestoreAssertionError,
 )
 from jaxckpt._gc_pause import gc_paused
-from jaxckpt.format.keys import unescape_edge
-from jaxckpt.format.records import NUMPY, ArrayLeaf, InForeign, Leaf, ValueLeaf, scalar_type
+from jaxckpt.checkpoint.foreign_keys import foreign_matches
+from jaxckpt.format.keys import CHECKPOINT, DICT, join, unescape_edge
+from jaxckpt.format.records import NUMPY, ArrayLeaf, Index, InForeign, Leaf, ValueLeaf, scalar_type
 from jaxckpt.interop import formats
 from jaxckpt.reading.open import ForeignOpened, open_latest
 from jaxckpt.reading.reader import Opened
@@ -27,7 +28,7 @@ from jaxckpt.reading.templates import NO_TEMPLATE
 from jaxckpt.runtime import background
 from jaxckpt.storage import locations
 from jaxckpt.storage.locations import PathLike
-from jaxckpt.tree.objects import build, flatten, placeholders_message, rebuild
+from jaxckpt.tree.objects import Flat, build, flatten, placeholders_message, rebuild
 
 
 def summarize(keys: Iterable[str], limit: int = 20) -> str:
@@ -304,10 +305,11 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
     index = opened.index
     if like is NO_TEMPLATE:
         return build(index.nodes, opened.load(dict.fromkeys(index.leaves, NO_TEMPLATE)))
-    templates = flatten(like).leaves
+    flat = flatten(like)
+    templates = flat.leaves
     # One pass over the keys: each lookup in a table of a million leaves is a cache miss.
     saved = index.leaves
-    wanted: dict[str, Any] = {}
+    wanted: dict[str, Any] = {}  # by checkpoint key
     leaves: list[Leaf] = []  # wanted's, handed to load
     missing: list[str] = []
     for k, t in templates.items():
@@ -317,13 +319,25 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
             leaves.append(leaf)
         else:
             missing.append(k)
+    # Orbax's NNX Variables, stored as `<key>/value`, and its None for leafless nodes (see foreign_keys).
+    renamed, empties = foreign_matches(opened, flat, missing)
+    if renamed:
+        for k, stored in renamed.items():
+            wanted[stored] = templates[k]
+            leaves.append(saved[stored])
+        missing = [k for k in missing if k not in renamed]
+    # A template's `{}` where the checkpoint holds a dict of Python values (a JSON child): that dict, as saved.
+    json_nodes = json_children(index, flat)
+    for keys in json_nodes.values():
+        wanted.update(dict.fromkeys(keys, NO_TEMPLATE))
+        leaves.extend(saved[k] for k in keys)
     placeholders = [k for k in missing if isinstance(templates[k], jax.ShapeDtypeStruct)]
     if partial and placeholders:  # before reading anything: this restore cannot succeed
         raise MissingKeyError(placeholders_message(placeholders))
     if not partial:
         # None unused where `like` has every key (the common case): the index's graph need not be walked.
-        fits = not missing and len(templates) == len(index.leaves)
-        unused = [] if fits else [k for k in index.keys_under("") if k not in templates]
+        fits = not missing and len(wanted) == len(index.leaves)
+        unused = [] if fits else _unused(opened, wanted, {*empties, *save_counters(index)})
         if missing or unused:
             parts = [f"The checkpoint {str(opened.path)!r} does not match the structure of `like`."]
             if missing:
@@ -332,7 +346,46 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
                 parts.append(f"  In the checkpoint but not in `like` ({len(unused)}):\n{summarize(unused)}")
             parts.append("Pass partial=True to restore only the keys in common.")
             raise MismatchError("\n".join(parts))
-    return rebuild(like, opened.load(wanted, leaves))
+    values = opened.load(wanted, leaves)
+    for k, stored in renamed.items():
+        values[k] = values.pop(stored)
+    for node in json_nodes:
+        values[node] = build(index.nodes, values, node)
+    return rebuild(like, values)
+
+
+def _unused(opened: Opened, wanted: Mapping[str, Any], taken: set[str]) -> list[str]:
+    """The checkpoint's keys that the template does not take: not ``wanted`` (by its own name or another,
+    see foreign_keys), nor ``taken`` (Orbax's None as a leafless node, a Checkpoint's save counter)."""
+    return [k for k in opened.index.keys_under("") if k not in wanted and k not in taken]
+
+
+SAVE_COUNTER = "save_counter"  # a Checkpoint's count of its saves, stored beside its children
+_JSON_TYPES = frozenset({"int", "float", "bool", "str", "none"})
+
+
+def save_counters(index: Index) -> list[str]:
+    """The keys of the save counters of the Checkpoints that were saved (a manager saves one): a
+    template that is a plain pytree has none, and needs none restored."""
+    keys = (join(k, SAVE_COUNTER) for k, info in index.nodes.items() if info.kind == CHECKPOINT)
+    return [k for k in keys if k in index.leaves]
+
+
+def json_children(index: Index, flat: Flat) -> dict[str, list[str]]:
+    """The template's empty dicts (``{}``) where the checkpoint holds a dict of Python values only (a
+    JSON child, as a run's configuration): node key -> the checkpoint's keys below it, restored as
+    saved. A dict with arrays below it is no JSON child: its arrays need a template."""
+    out: dict[str, list[str]] = {}
+    for key, info in flat.nodes.items():
+        if info.kind != DICT or info.keys:
+            continue
+        stored = index.nodes.get(key)
+        if stored is None or stored.kind != DICT or not stored.keys:
+            continue
+        keys = index.keys_under(key)
+        if all(isinstance(leaf := index.leaves[k], ValueLeaf) and leaf.type in _JSON_TYPES for k in keys):
+            out[key] = keys
+    return out
 
 
 def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...]]]:

@@ -21,11 +21,13 @@ from typing import Any, Protocol
 import jax
 
 from jaxckpt._errors import CheckpointNotFoundError, JaxckptError, MissingKeyError
-from jaxckpt.checkpoint.restore import RestoreStatus
+from jaxckpt.checkpoint.foreign_keys import foreign_matches
+from jaxckpt.checkpoint.restore import SAVE_COUNTER, RestoreStatus, json_children
 from jaxckpt.format.keys import CHECKPOINT, describe, escape_edge, join
 from jaxckpt.format.records import ValueLeaf
 from jaxckpt.reading.reader import Opened
-from jaxckpt.tree.objects import flatten, placeholders_message, rebuild
+from jaxckpt.reading.templates import NO_TEMPLATE
+from jaxckpt.tree.objects import build, flatten, placeholders_message, rebuild
 
 
 class Checkpoint(Protocol):
@@ -39,8 +41,6 @@ class Checkpoint(Protocol):
 
     def _jaxckpt_set(self, name: str, value: Any) -> None: ...
 
-
-SAVE_COUNTER = "save_counter"
 
 _RESTORE_IDS = itertools.count(1)
 
@@ -134,20 +134,41 @@ class Restore:
     def run(self) -> None:
         self._settle_absent()
         leaves = self.opened.index.leaves
-        wanted: dict[str, Any] = {}
+        wanted: dict[str, Any] = {}  # by checkpoint key
+        renamed: dict[str, str] = {}  # template key -> checkpoint key, and Orbax's Nones taken (see foreign_keys)
+        empties: list[str] = []
+        json_nodes: list[str] = []
+        foreign = bool(self.opened.empty_or_none or self.opened.variable_nodes)
         for _, _, value, key in self.jobs:
-            for k, template in flatten(value, key).leaves.items():
+            flat = flatten(value, key)
+            missing = []
+            for k, template in flat.leaves.items():
                 if k in leaves:
                     wanted[k] = template
                 else:
-                    self.status._missing.add(k)
+                    missing.append(k)
+            for node, keys in json_children(self.opened.index, flat).items():
+                wanted.update(dict.fromkeys(keys, NO_TEMPLATE))
+                json_nodes.append(node)
+            if foreign:
+                more, taken = foreign_matches(self.opened, flat, missing)
+                wanted.update((stored, flat.leaves[k]) for k, stored in more.items())
+                missing = [k for k in missing if k not in more]
+                renamed.update(more)
+                empties += taken
+            self.status._missing.update(missing)
         values = self.opened.load(wanted)
+        for k, stored in renamed.items():
+            values[k] = values.pop(stored)
+        for node in json_nodes:
+            values[node] = build(self.opened.index.nodes, values, node)
         for owner, name, value, key in self.jobs:
             if owner._restored_by.get(name, 0) > self.uid:
                 continue  # a later restore() call already gave it its value; this one's counts as used
             owner._jaxckpt_set(name, rebuild(value, values, key))
             owner._restored_by[name] = self.uid
         self.status._used.update(wanted)
+        self.status._used.update(empties)
         self.jobs.clear()
 
     def deferred(self, ckpt: Checkpoint, name: str, value: Any, key: str) -> Any:

@@ -15,8 +15,10 @@ The leading edges removed are, from the top, as long as they are one of:
 
 A name that is unique on both sides is a match. Where a name is not unique (the ``count`` of
 ``scale_by_adam`` and of ``scale_by_schedule``), the class of the state that holds the slot breaks the
-tie (``ScaleByAdamState``), then the exact key below ``prefix``; what is still ambiguous keeps its fresh
-value. A match restores only if the shapes and dtypes agree; otherwise it is reported, not raised.
+tie (``ScaleByAdamState``); where a side does not know that class (an ``nnx.Optimizer`` keeps its
+state as plain dicts), the fields of the state that holds the slot do (``count``, ``mu``, ``nu`` for
+adam's ``count``; ``count`` alone for a schedule's); then the exact key below ``prefix``. What is still
+ambiguous keeps its fresh value. A match restores only if the shapes and dtypes agree; otherwise it is reported, not raised.
 Everything not restored keeps the value it has in the fresh state, and the :class:`SlotReport` says
 which slot went where.
 """
@@ -51,6 +53,7 @@ class _Slot(NamedTuple):
     relative: str  # the key below the prefix
     name: str  # canonical name: <slot name>/<parameter path>
     owner: str | None  # class of the state holding the slot, when it has a meaningful one
+    fields: tuple[str, ...]  # the fields of the state holding the slot, sorted
 
 
 def _slots(nodes: Mapping[str, NodeInfo], leaves: Mapping[str, Any], prefix: str) -> list[_Slot]:
@@ -58,28 +61,29 @@ def _slots(nodes: Mapping[str, NodeInfo], leaves: Mapping[str, Any], prefix: str
     out: list[_Slot] = []
     start = len(prefix) + 1 if prefix else 0
 
-    def walk(key: str, leading: bool, name: list[str], owner: str | None, skip_label: bool) -> None:
+    def walk(key: str, leading: bool, name: list[str], owner: str | None, fields: tuple[str, ...], skip: bool) -> None:
         info = nodes.get(key)
         if info is None:
             if key in leaves:
                 relative = key[start:]
                 # A leaf reached through position edges alone has no name; it matches only in place.
-                out.append(_Slot(key, relative, "/".join(name) or relative, owner))
+                out.append(_Slot(key, relative, "/".join(name) or relative, owner, fields))
             return
         for edge, original in zip(edges_for(info.keys), info.keys):
             child = join(key, edge)
-            if skip_label:  # the label of a multi_transform partition
-                walk(child, True, name, owner, False)
+            if skip:  # the label of a multi_transform partition
+                walk(child, True, name, owner, fields, False)
             elif leading and (isinstance(original, int) or original in WRAPPER_FIELDS):
-                walk(child, True, name, owner, False)
+                walk(child, True, name, owner, fields, False)
             elif leading and original in LABELED_WRAPPER_FIELDS:
-                walk(child, True, name, owner, True)
+                walk(child, True, name, owner, fields, True)
             elif leading:  # the first edge of the canonical name: the slot's field
-                walk(child, False, [edge], None if info.kind in _ANONYMOUS_KINDS else info.cls, False)
+                cls = None if info.kind in _ANONYMOUS_KINDS else info.cls
+                walk(child, False, [edge], cls, tuple(sorted(map(str, info.keys))), False)
             else:
-                walk(child, False, [*name, edge], owner, False)
+                walk(child, False, [*name, edge], owner, fields, False)
 
-    walk(prefix, True, [], None, False)
+    walk(prefix, True, [], None, (), False)
     return out
 
 
@@ -133,6 +137,7 @@ def _pair(old: list[_Slot], new: list[_Slot]) -> tuple[dict[str, _Slot], dict[st
     tiers = (
         lambda s: s.name,
         lambda s: (s.owner, s.name) if s.owner else None,
+        lambda s: (s.fields, s.name),
         lambda s: (s.relative, s.name),
     )
     old_left, new_left = list(old), list(new)

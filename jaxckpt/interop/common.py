@@ -45,12 +45,17 @@ class Entry:
     ``leaf`` is None for a value that has no numpy form; ``note`` then says what it holds
     (``"DT_VARIANT"``, ``"DT_STRING"``) and ``shape`` its shape, for listings. With ``note`` set to
     :data:`EMPTY_DICT` it is an empty container instead (restored as ``{}``).
+
+    ``stands_for_empty``: the value (None) is also how the format stores a pytree node without
+    leaves (Orbax stores optax's ``EmptyState()``, ``None`` and other leafless nodes alike as
+    ``None``), so it restores into a template's leafless node there as that node.
     """
 
     edges: tuple[str, ...]
     leaf: Leaf | None
     note: str = ""
     shape: tuple[int, ...] = ()
+    stands_for_empty: bool = False
 
 
 def read_head(path: str, n: int) -> bytes | None:

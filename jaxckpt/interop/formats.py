@@ -44,6 +44,9 @@ class Foreign(Protocol):
     # Optional (read with getattr, default False): whether every value read is checked against a
     # checksum the format stores, so that ``jaxckpt verify`` can say so.
     # checksums: bool
+    # Optional (read with getattr, default None): the edge under which the format stores the value of
+    # a Flax NNX Variable (Orbax: "value"), see ForeignCheckpoint.variable_nodes.
+    # variable_value_edge: str
 
     def entries(self) -> list[Entry]:
         """Every value, in the checkpoint's own order."""
@@ -106,6 +109,8 @@ class ForeignCheckpoint:
         self.name = reader.name
         self.path = reader.path
         self.skipped: dict[str, Entry] = {}
+        # Keys of None values that also stand for a leafless node (Entry.stands_for_empty).
+        self.empty_or_none: set[str] = set()
         leaves: dict[str, Leaf] = {}
         children: dict[str, dict[str, None]] = {"": {}}  # node key -> its child edges, in order
         for entry in reader.entries():
@@ -133,8 +138,20 @@ class ForeignCheckpoint:
                     children.setdefault(below, {})
             if entry.leaf is not None:
                 leaves[key] = entry.leaf
+                if entry.stands_for_empty:
+                    self.empty_or_none.add(key)
         nodes = {key: NodeInfo(DICT, "dict", tuple(edges)) for key, edges in children.items()}
         self.index = Index(nodes, leaves, [], {"format": self.name}, version=0)
+        # Where the format stores a Flax NNX Variable as a node with one child, its value under this edge
+        # (Orbax: ``linear/kernel/value``; ``getattr`` as the protocol leaves it optional), the keys of
+        # such nodes: a template's Variable at one of them takes that child (never any other 'value' key).
+        value_edge = getattr(reader, "variable_value_edge", None)
+        self.variable_nodes: dict[str, str] = {}  # node key -> the key of its one child, the value
+        if isinstance(value_edge, str):
+            escaped = escape_edge(value_edge)
+            for key, info in nodes.items():
+                if key and info.keys == (value_edge,) and join(key, escaped) in leaves:
+                    self.variable_nodes[key] = join(key, escaped)
 
     def read(self, key: str) -> np.ndarray:
         leaf = self.index.leaves[key]

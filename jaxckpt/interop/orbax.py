@@ -14,10 +14,22 @@ What is read
     Python scalars (value type ``scalar``), strings (``_strings.json``) and ``None`` are
     ``ValueLeaf`` records; numpy and jax arrays, 0-d ones included, are ``ArrayLeaf`` records, whose
     ``sharding`` says how a sharded array was laid out when saved (from ``_sharding``, for listings).
-    Empty containers (``{}``, ``[]``) are empty dicts.
+    Empty containers (``{}``, ``[]``) are empty dicts. Orbax stores every other pytree node without
+    leaves (optax's ``EmptyState()``) as ``None`` too: such a ``None`` is marked as standing for one
+    (``Entry.stands_for_empty``), so that it restores into a template's leafless node. A typed PRNG
+    key array is stored as its raw key data, with the implementation in ``array_metadatas/process_<i>``
+    (``ext_metadata``): it is a PRNG key ``ArrayLeaf`` of that implementation. A Flax NNX Variable is
+    stored with its value under the edge ``value`` (``linear/kernel/value``): the reader says so
+    (``variable_value_edge``), for templates that hold Variables there.
 
     A JSON item (``JsonSave``; the file ``metadata`` in its folder): its values, a dict becoming
     nested keys (lists too, with their indices as edges).
+
+    A data iterator's state saved by grain's checkpoint handler (``grain.checkpoint.CheckpointSave``,
+    an item of a step folder): its ``process_<i>-of-<n>.json`` files, each the JSON of one process's
+    ``get_state()``, as an object state (one per process where there were several), which restores
+    into an iterator through ``set_state`` (a ``DataLoader``'s iterator, whose state is bytes, is given
+    the JSON's bytes, as grain's handler does).
 
     A step folder of Composite items (``run/30``): every item, its keys prefixed by the item's name
     (``state/params/w``, ``meta/step``); items are those that ``_CHECKPOINT_METADATA`` names, or
@@ -84,6 +96,8 @@ from jaxckpt.interop.orbax_metadata import (
     leaf_name,
     malformed,
     parse_json,
+    prng_impls,
+    prng_leaf,
     read_json,
     sharding_table,
     zarr2_array,
@@ -99,6 +113,7 @@ STRINGS_FILE = "_strings.json"  # StringHandler: every str leaf of an item, by n
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # a folder still being written (Orbax renames it when done)
 
 _STEP = re.compile(r"^(?:[^/]*_)?([0-9]{1,18})$")  # "30", or "checkpoint_30" with a step_prefix
+_GRAIN_FILE = re.compile(r"^process_([0-9]{1,6})-of-([0-9]{1,6})\.json$")  # grain's handler, per process
 _ARRAY_TYPES = frozenset({"jax.Array", "np.ndarray", "scalar"})
 # Empty containers: nodes of the tree, with no values below. Every node of a foreign checkpoint is a
 # dict (a list's edges are its indices), so each is an empty dict.
@@ -220,6 +235,8 @@ class Reader:
     """An opened Orbax checkpoint: one item, or the items of one step folder."""
 
     name = NAME
+    # Orbax saves a Flax NNX Variable as the pytree JAX flattens it to: its value under the edge "value".
+    variable_value_edge = "value"
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -263,11 +280,39 @@ class Reader:
             if value is None:
                 raise CheckpointCorruptedError(f"The JSON item {folder!r} has no file {JSON_ITEM_FILE!r}.")
             self._json(value, prefix, f"{folder!r}", 0)
+        elif handler.startswith("grain.") or (not handler and any(_GRAIN_FILE.match(n) for n in names)):
+            self._grain_item(folder, prefix, names)
         elif "checkpoint" in names:
             raise _old_layout(folder)
         else:
             what = handler.rsplit(".", 1)[-1] or "unknown handler"
             self._entries.append(Entry(prefix or ("item",), None, note=f"Orbax item of {what}"))
+
+    def _grain_item(self, folder: str, prefix: tuple[str, ...], names: set[str]) -> None:
+        """A data iterator's state that grain's checkpoint handler saved: one ``process_<i>-of-<n>.json``
+        per process, each the JSON of that process's ``get_state()``; an object state (one per process
+        where there were several), which restores into an iterator through its ``set_state``."""
+        files: dict[int, tuple[int, str]] = {}
+        for name in names:
+            match = _GRAIN_FILE.match(name)
+            if match is not None:
+                files[int(match.group(1))] = (int(match.group(2)), name)
+        counts = {n for n, _ in files.values()}
+        if len(counts) != 1 or set(files) != set(range(next(iter(counts)))):
+            found = sorted(name for _, name in files.values())[:8]
+            raise CheckpointCorruptedError(
+                f"The grain data-iterator item {folder!r} should hold one file process_<i>-of-<n>.json for each "
+                f"process i of n; it holds {found or 'none'}. It is incomplete or was partly deleted."
+            )
+        states = []
+        for process in range(len(files)):
+            file = os.path.join(folder, files[process][1])
+            state = read_json(file, METADATA_LIMIT, "grain's data-iterator state")
+            if state is None:
+                raise CheckpointCorruptedError(f"{file!r} vanished while the checkpoint was read.")
+            states.append(ValueLeaf("state", state))
+        leaf = states[0] if len(states) == 1 else ValueLeaf("state_per_process", tuple(states))
+        self._entries.append(Entry(prefix or ("iter",), leaf))
 
     def _json(self, value: Any, edges: tuple[str, ...], what: str, depth: int) -> None:
         if depth > MAX_DEPTH:
@@ -340,8 +385,8 @@ class Reader:
                 raise malformed(f"{what} ({file!r})", "a value_type", kind)
             full = (*prefix, *edges)
             # None and empty containers are saved as skip_deserialize: their value type is all there is.
-            if kind == "None":
-                slots.append(Entry(full, ValueLeaf("none", None)))
+            if kind == "None":  # None, and every node without leaves (optax's EmptyState()) too
+                slots.append(Entry(full, ValueLeaf("none", None), stands_for_empty=True))
             elif kind in _EMPTY_TYPES:
                 slots.append(Entry(full, None, note=EMPTY_DICT))
             elif value.get("skip_deserialize") is True:
@@ -368,8 +413,13 @@ class Reader:
             ZARR_METADATA_LIMIT,
         )
         shardings = sharding_table(folder) if arrays else {}
+        key_impls = prng_impls(folder) if arrays else {}
         for (slot, full, key, name, kind, value, what), raw in zip(arrays, raws):
-            slots[slot] = self._array(full, key, name, kind, value, kvstore, layout, what, raw, shardings.get(name))
+            entry = self._array(full, key, name, kind, value, kvstore, layout, what, raw, shardings.get(name))
+            impl = key_impls.get(name)
+            if impl is not None and isinstance(entry.leaf, ArrayLeaf):
+                entry = Entry(entry.edges, prng_leaf(entry.leaf, impl, what))
+            slots[slot] = entry
         self._entries.extend(entry for entry in slots if entry is not None)
 
     def _array(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import dataclasses
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxckpt._errors import CheckpointFormatError, StorageError
-from jaxckpt.format.records import DTYPES, MAX_RANK
+from jaxckpt.format.records import DTYPES, MAX_RANK, ArrayLeaf, prng_key_data_shape
 
 # Size limits of the JSON files read whole: far above what real checkpoints hold (_METADATA takes
 # about 300 bytes a leaf), low enough that a crafted file cannot exhaust memory.
@@ -191,3 +192,55 @@ def leaf_name(edges: list[str], what: str) -> str:
     if not name or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
         raise malformed(what, "a leaf name that stays inside the checkpoint's folder", name)
     return name
+
+
+ARRAY_METADATAS = "array_metadatas"  # per process: each array's write shape and ext_metadata
+_MAX_PROCESS_FILES = 4096
+
+
+def prng_impls(folder: str) -> dict[str, str]:
+    """The PRNG implementation of each typed key array of an item, by Orbax name: Orbax stores a key
+    array as its raw key data (uint32) and names the implementation in the ``ext_metadata``
+    (``{"random_key_impl": "threefry2x32"}``) of its entry in ``array_metadatas/process_<i>``.
+    Absent files (older Orbax, which did not save typed keys) give no keys."""
+    where = os.path.join(folder, ARRAY_METADATAS)
+    try:
+        names = sorted(n for n in os.listdir(where) if n.startswith("process_"))[:_MAX_PROCESS_FILES]
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for name in names:
+        file = os.path.join(where, name)
+        listing = read_json(file, METADATA_LIMIT, "Orbax's array metadata")
+        records = listing.get("array_metadatas") if isinstance(listing, dict) else None
+        if not isinstance(records, list):
+            raise malformed(repr(file), "a JSON object with the list 'array_metadatas'", listing)
+        for record in records:
+            meta = record.get("array_metadata") if isinstance(record, dict) else None
+            if not isinstance(meta, dict):
+                continue
+            ext = meta.get("ext_metadata")
+            if not isinstance(ext, dict) or "random_key_impl" not in ext:
+                continue
+            param, impl = meta.get("param_name"), ext["random_key_impl"]
+            if not isinstance(param, str) or not isinstance(impl, str) or len(impl) > 100:
+                raise malformed(repr(file), "a param_name and a random_key_impl as strings", record)
+            out[param] = impl
+    return out
+
+
+def prng_leaf(leaf: ArrayLeaf, impl: str, what: str) -> ArrayLeaf:
+    """``leaf``, an array of raw key data, as a typed PRNG key array of ``impl``; its data must have
+    the shape and dtype that implementation's keys have (JAX's registry of implementations knows)."""
+    data_shape = prng_key_data_shape(impl)
+    if data_shape is None:
+        raise CheckpointFormatError(
+            f"{what}: Orbax recorded it as a PRNG key array of the implementation {impl!r}, which is not registered "
+            "with JAX here; register it (jax.extend.random) before restoring."
+        )
+    if leaf.dtype != np.uint32 or leaf.shape[len(leaf.shape) - len(data_shape) :] != data_shape:
+        raise CheckpointFormatError(
+            f"{what}: Orbax recorded it as a PRNG key array of {impl!r}, whose key data is uint32 of trailing shape "
+            f"{data_shape}, but its array is {leaf.dtype.name} of shape {leaf.shape}. It is damaged or crafted."
+        )
+    return dataclasses.replace(leaf, prng_impl=impl)

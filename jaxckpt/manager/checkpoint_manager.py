@@ -373,6 +373,13 @@ class CheckpointManager:
         tiers, the newest in either."""
         return self._part.latest_step()
 
+    def best_step(self) -> int | None:
+        """Orbax's ``best_step()``: the step of the best kept checkpoint by the metric and mode of the
+        manager's :class:`KeepBest` policy (the first, where it has several; ties: the older), or None
+        if no kept checkpoint has that metric. Without a ``KeepBest``, the latest step, as Orbax's
+        without ``best_fn``. Waits as :attr:`latest_checkpoint`."""
+        return self._part.best_step()
+
     def reload(self) -> None:
         """Read the state file (and the run metadata) again, as Orbax's ``reload``: for a manager that
         follows another one's directory, an evaluator's ``read_only=True`` manager beside a live

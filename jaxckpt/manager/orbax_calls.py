@@ -1,5 +1,5 @@
 """The calls that Orbax's ``CheckpointManager`` users write, on :class:`~jaxckpt.CheckpointManager`:
-``should_save``, ``all_steps``, ``latest_step``, ``metadata`` (the run's, see
+``should_save``, ``all_steps``, ``latest_step``, ``best_step``, ``metadata`` (the run's, see
 :mod:`jaxckpt.manager.run_metadata`) and ``reload`` (an evaluator following a trainer)."""
 
 from __future__ import annotations
@@ -10,10 +10,23 @@ from typing import Any
 
 from jaxckpt.manager import run_metadata
 from jaxckpt.manager.options import ManagerOptions
+from jaxckpt.manager.policies import KeepAny, KeepBest, RetentionPolicy
 from jaxckpt.manager.preemption import PreemptionHandler
 from jaxckpt.runtime.background import Background
 from jaxckpt.storage import locations, statefile
 from jaxckpt.storage.statefile import CheckpointInfo
+
+
+def best_policy(policy: RetentionPolicy | None) -> KeepBest | None:
+    """The manager's first :class:`KeepBest`, the one whose metric and mode say which checkpoint is best."""
+    if isinstance(policy, KeepBest):
+        return policy
+    if isinstance(policy, KeepAny):
+        for p in policy.policies:
+            found = best_policy(p)
+            if found is not None:
+                return found
+    return None
 
 
 class OrbaxCalls:
@@ -56,6 +69,15 @@ class OrbaxCalls:
         """The step of the latest checkpoint, or None (waits as ``latest_checkpoint``)."""
         self._background.settle()
         return self._infos[-1].step if self._infos else None
+
+    def best_step(self) -> int | None:
+        """The step of the best kept checkpoint (see :meth:`jaxckpt.CheckpointManager.best_step`)."""
+        self._background.settle()
+        best = best_policy(self._options.policy)
+        if best is None:  # as Orbax without best_fn: the latest (with two tiers, the newest in either)
+            return self.latest_step()
+        ranked = list(best.keep(self._infos))  # best first
+        return ranked[0].step if ranked else None
 
     def reload(self) -> None:
         """Read the state file and the run metadata again (see :meth:`jaxckpt.CheckpointManager.reload`)."""

@@ -121,6 +121,46 @@ class KeepEvery(_Combinable):
 
 
 @dataclasses.dataclass(frozen=True)
+class KeepMultiplesOf(_Combinable):
+    """Keep every checkpoint whose step is a multiple of ``steps`` (``step % steps == 0``, step 0
+    included): Orbax's ``keep_period=steps`` and ``EveryNSteps(steps)``.
+
+    Unlike :class:`KeepEvery` (the first checkpoint of each window), a run that never saves at a
+    multiple keeps none: saving at steps 1000, 4000, 7000, 8192, 10000 keeps 8192 alone, as Orbax does.
+    """
+
+    steps: int
+
+    def __post_init__(self) -> None:
+        positive_int("KeepMultiplesOf(steps)", self.steps)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
+        return [c for c in checkpoints if c.step % self.steps == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepSpaced(_Combinable):
+    """Keep the oldest checkpoint, then each one at least ``steps`` steps after the last one kept:
+    Orbax's ``EveryNSteps(steps, exact_interval=False)``.
+
+    The spacing counts from checkpoints this policy keeps, which stay, so later saves never change
+    which of the earlier ones it keeps.
+    """
+
+    steps: int
+
+    def __post_init__(self) -> None:
+        positive_int("KeepSpaced(steps)", self.steps)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> Iterable[CheckpointInfo]:
+        kept: list[CheckpointInfo] = []
+        for c in sorted(checkpoints, key=lambda c: c.step):
+            if not kept or c.step >= kept[-1].step + self.steps:
+                kept.append(c)
+        return kept
+
+
+@dataclasses.dataclass(frozen=True)
 class KeepBest(_Combinable):
     """Keep the ``n`` checkpoints with the best ``metric`` (``mode="min"``: lowest is best).
 

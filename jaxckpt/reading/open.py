@@ -228,6 +228,8 @@ class ForeignOpened(Opened):
         self.checkpoint = checkpoint
         self.format = checkpoint.name
         self.skipped = checkpoint.skipped
+        self.empty_or_none = checkpoint.empty_or_none
+        self.variable_nodes = checkpoint.variable_nodes
         self.path = checkpoint.path
         self.location = location
         self.index = checkpoint.index

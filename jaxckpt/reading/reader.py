@@ -12,6 +12,7 @@ import os
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -86,6 +87,10 @@ class Opened:
     format = "jaxckpt"  # or the foreign format's name (ForeignOpened)
     # Values listed that have no numpy form (TensorFlow's iterator state, string tensors): key -> entry
     skipped: Mapping[str, _formats.Entry] = {}
+    # Another library's ways of storing what jaxckpt stores otherwise (see ForeignCheckpoint): None
+    # values that stand for leafless nodes too, and NNX Variables stored as a node over their value.
+    empty_or_none: AbstractSet[str] = frozenset()
+    variable_nodes: Mapping[str, str] = {}
     path: PathLike  # how messages name it
     # A local checkpoint's folder, held open from its index on: every file is read from that folder,
     # never from one that an overwriting save renamed to its path since (the index of one save with the

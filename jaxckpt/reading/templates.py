@@ -10,6 +10,7 @@ restore into a template; :func:`cast_for` and :func:`restored_value` make the va
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -268,14 +269,15 @@ def restored_value(leaf: Leaf, template: Any, data: Any) -> Any:
     if isinstance(leaf, ValueLeaf) and leaf.type == "state_per_process":
         if template is NO_TEMPLATE:  # every process's state, in process order
             return [state.value for state in leaf.value]
-        template.set_state(leaf.value[jax.process_index()].value)  # this process's own
-        return template  # check() refused another process count
+        own = leaf.value[jax.process_index()]  # this process's own; check() refused another process count
+        template.set_state(_state_for(template, own))
+        return template
     if isinstance(leaf, ValueLeaf):
         value = leaf.value
         if template is NO_TEMPLATE or template is None or _python_scalar(template):
             return value
         if is_state_object(template):
-            template.set_state(value)
+            template.set_state(_state_for(template, leaf))
             return template
         return _as_array_template(template, np.asarray(value, dtype=template.dtype), None)
     if template is NO_TEMPLATE:
@@ -283,6 +285,22 @@ def restored_value(leaf: Leaf, template: Any, data: Any) -> Any:
             return _wrap_keys(data, leaf.prng_impl)
         return data[()] if leaf.container == NUMPY_SCALAR else data
     return _as_array_template(template, data, leaf.prng_impl)
+
+
+def _state_for(template: Any, leaf: ValueLeaf) -> Any:
+    """What ``template.set_state`` takes of a saved state. A JSON state into an iterator of grain's
+    that is not a ``DatasetIterator`` (a ``DataLoader``'s, whose state is bytes) is given as the
+    JSON's bytes, as grain's own checkpoint handler does: Orbax runs save such states as JSON."""
+    if leaf.type == "state" and _wants_bytes(type(template)):
+        return json.dumps(leaf.value, indent=4).encode()
+    return leaf.value
+
+
+def _wants_bytes(cls: type) -> bool:
+    """grain's iterators other than ``DatasetIterator``s: their ``get_state()`` is bytes (grain's
+    handler tells them apart the same way). Known by name: grain is not imported for it."""
+    grain = [c for c in cls.__mro__ if c.__module__.partition(".")[0] == "grain"]
+    return bool(grain) and not any(c.__name__ == "DatasetIterator" for c in grain)
 
 
 def _as_array_template(template: Any, data: Any, prng_impl: str | None) -> Any:

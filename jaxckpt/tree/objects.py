@@ -372,6 +372,8 @@ def rebuild(
             raise MissingKeyError(placeholders_message(placeholders))
         return out
     if type(template) is dict:  # the common node: neither a Variable nor a Checkpoint (decompose's first checks)
+        if not template and prefix in values:  # an empty dict given a whole value (a JSON child restored as saved)
+            return values[prefix]
         node: _Node | None = _decompose_dict(template, prefix)
     elif is_variable(template):
         value = rebuild(variable_value(template, prefix), values, prefix, _placeholders=_placeholders, _seen=_seen)
