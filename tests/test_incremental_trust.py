@@ -247,3 +247,18 @@ def test_an_inspected_checkpoint_closes_with_its_view(tmp_path):
         assert "w" in view.keys()
         np.testing.assert_array_equal(view["w"], np.ones(3))
     assert _open_under(path) == []
+
+
+def test_an_interrupted_incremental_bucket_save_is_provably_garbage(s3):
+    """Killed before its index: the marker, data and the refs.json of a version-6 save. The next
+    manager removes it (found by the random kills of test_crash), and a save to that path replaces it."""
+    run(s3, 2, keep=3)
+    spec = locations.location(s3).spec()
+    for key in ("ckpt-3/.jaxckpt-save", "ckpt-3/data/refs.json", "ckpt-3/data/a/1/zarr.json"):
+        kvstore.kv_write(spec, key, b"{}")
+    kvstore.kv_write(spec, "ckpt-4/.jaxckpt-save", b"")
+    kvstore.kv_write(spec, "ckpt-4/data/refs.json", b"{}")
+    jaxckpt.save(f"{s3}/ckpt-4", {"x": np.ones(3)})  # replaces an interrupted save's leftovers
+    manager = jaxckpt.CheckpointManager(jaxckpt.Checkpoint(), s3, max_to_keep=3)
+    manager.close()
+    assert keys(f"{s3}/ckpt-3") == []

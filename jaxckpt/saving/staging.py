@@ -54,9 +54,11 @@ SAVE_MARKER = ".jaxckpt-save"  # object stores: written first by a save, deleted
 _OWNER_FILE = ".jaxckpt-owner"  # in a staging folder: locked by the save that writes it, for as long as it runs
 
 # Object-store keys an interrupted save can leave: its marker, and its data stores' keys: zarr3
-# arrays and packs (format version 4), or OCDBT's files (versions 1 to 3).
+# arrays and packs (format version 4), their checksums and references (versions 5 and 6), or OCDBT's
+# files (versions 1 to 3).
 _LEFTOVER_KEY = re.compile(
-    rf"{re.escape(SAVE_MARKER)}|data(\.p[1-9][0-9]*)?/(manifest\.[^/]+|d/.+|checksums\.json|[ap]/[0-9]+/(zarr\.json|c(/[0-9]+)*))"
+    rf"{re.escape(SAVE_MARKER)}|data(\.p[1-9][0-9]*)?/"
+    r"(manifest\.[^/]+|d/.+|checksums\.json|refs\.json|[ap]/[0-9]+/(zarr\.json|c(/[0-9]+)*))"
 )
 
 
