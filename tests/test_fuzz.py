@@ -313,6 +313,21 @@ def manager_dir(tmp_path_factory):
     return directory, json.loads((directory / "checkpoint").read_text())
 
 
+# What a crafted state file's "uses" may name: the state file itself, its lock, user folders, paths
+# out of the directory, a checkpoint-shaped user folder, a listed or an unlisted checkpoint.
+HOSTILE_USES = [
+    "checkpoint",
+    "checkpoint.lock",
+    "eval_results",
+    "ckpt-77",
+    "../outside",
+    "ckpt-1",
+    "ckpt-3",
+    "ckpt-9",
+    ".",
+]
+
+
 def _fuzz_state(tmp_path: Path, manager_dir: tuple[Path, dict], examples: int) -> None:
     source, body = manager_dir
     outside = tmp_path / "outside"  # a checkpoint beside the directory, which no state file may reach
@@ -325,20 +340,33 @@ def _fuzz_state(tmp_path: Path, manager_dir: tuple[Path, dict], examples: int) -
     def run(data: st.DataObject) -> None:
         shutil.rmtree(work, ignore_errors=True)
         shutil.copytree(source, work)
+        # The user's folders beside the checkpoints: one named as nothing of the manager's, one that
+        # looks like a checkpoint (no index, no mark). No state file can make a manager delete them.
+        for folder, name in (("eval_results", "scores.json"), ("ckpt-77", "mine.txt")):
+            (work / folder).mkdir()
+            (work / folder / name).write_text("mine")
+        crafted = json.loads(json.dumps(body))
+        for entry in crafted["checkpoints"]:  # retention deletes what "uses" names, once unused
+            if data.draw(st.booleans(), label="crafted uses"):
+                entry["uses"] = data.draw(st.lists(st.sampled_from(HOSTILE_USES), max_size=3), label="uses")
         (work / "checkpoint").write_bytes(
-            dumps(mutate(data, body), ascii=data.draw(st.booleans(), label="ascii"), indent=2)
+            dumps(mutate(data, crafted), ascii=data.draw(st.booleans(), label="ascii"), indent=2)
         )
         with guarded():
             latest = outcomes.call(jaxckpt.latest_checkpoint, work)
             if latest is not None:
                 assert Path(latest).parent == work, f"latest_checkpoint gave {latest!r}, outside {work}"
             ckpt = jaxckpt.Checkpoint(step=0, w=np.zeros(3, np.float32))
-            manager = outcomes.call(jaxckpt.CheckpointManager, ckpt, work, max_to_keep=2, step_counter="step")
+            manager = outcomes.call(jaxckpt.CheckpointManager, ckpt, work, max_to_keep=1, step_counter="step")
             if manager is not None:
                 for path in manager.checkpoints:
                     assert Path(path).parent == work, f"the manager lists {path!r}, outside {work}"
-                manager.close()
+                ckpt.step = 50
+                outcomes.call(manager.save)  # retention: every listed checkpoint but the new one dropped
+                outcomes.call(manager.close)
         assert sorted(os.listdir(outside)) == ["ckpt-9"] and (outside / "ckpt-9" / "index.json").is_file()
+        assert (work / "eval_results" / "scores.json").read_text() == "mine"
+        assert (work / "ckpt-77" / "mine.txt").read_text() == "mine"
 
     run()
     print(f"\nfuzz state file: {examples} examples, calls ended: {dict(outcomes)}")

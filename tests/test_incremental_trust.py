@@ -262,3 +262,93 @@ def test_an_interrupted_incremental_bucket_save_is_provably_garbage(s3):
     manager = jaxckpt.CheckpointManager(jaxckpt.Checkpoint(), s3, max_to_keep=3)
     manager.close()
     assert keys(f"{s3}/ckpt-3") == []
+
+
+# --- 4. inode identity is weak evidence: a copy to a bucket durable tier ------------------------------
+
+
+def test_a_two_tier_copy_refers_to_durable_bytes_only_for_the_very_file_it_copied(s3, tmp_path):
+    """The durable copy of step 2 may refer to step 1's durable base only if each local shard file is
+    the one step 1's copy copied: same inode, but also the same size and modification time (a new
+    file may get the inode of one that local retention freed)."""
+    frozen = base()
+    ckpt = jaxckpt.Checkpoint(step=1, base=frozen, adapter=adapter(1))
+    local = tmp_path / "local"
+    with jaxckpt.CheckpointManager(ckpt, s3, step_counter="step", local_directory=local, max_to_keep=3) as manager:
+        manager.save()
+        manager.wait_until_finished()
+        for shard in (p for p in (local / "ckpt-1" / "data" / "a").rglob("*") if p.is_file() and "/c/" in str(p)):
+            stat = shard.stat()
+            os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # same inode, another file's time
+        ckpt.step, ckpt.adapter = 2, adapter(2)
+        manager.save()
+        manager.wait_until_finished()
+        infos = manager.checkpoint_infos
+    assert [c.uses for c in infos] == [(), ()]  # step 2's base uploaded again, not referred to
+    for info in infos:
+        expect_restores(info.path, frozen, info.step)
+
+
+# --- 5. arrays that alias host memory -----------------------------------------------------------------
+
+
+def _aligned(n: int) -> np.ndarray:
+    raw = np.empty(n + 64, np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    return raw[start : start + n]
+
+
+@pytest.mark.parametrize("how", ["may_alias", "dlpack"])
+def test_an_array_aliasing_host_memory_changed_in_place_is_written_again(tmp_path, how):
+    import jax
+
+    buf = _aligned(600_000)  # 2.4 MB: an array of its own
+    buf[:] = np.arange(buf.size, dtype=np.float32)
+    x = jax.device_put(buf, may_alias=True) if how == "may_alias" else jax.dlpack.from_dlpack(buf)
+    buf[:3] = -1.0
+    assert np.asarray(x)[0] == -1.0  # it is the host buffer
+    ckpt = jaxckpt.Checkpoint(w=x)
+    with jaxckpt.CheckpointManager(ckpt, tmp_path / "ckpts", max_to_keep=3) as manager:
+        manager.save()
+        manager.wait_until_finished()
+        buf[:] = 7.0  # the same jax.Array object, other values
+        manager.save()
+        manager.wait_until_finished()
+        second = manager.checkpoints[-1]
+    np.testing.assert_array_equal(jaxckpt.restore(second)["w"], np.full(buf.size, 7.0, np.float32))
+
+
+# --- 6. one bad byte is never shared on -------------------------------------------------------------
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _shard_of(checkpoint: Path, key: str) -> Path:
+    array = json.loads((checkpoint / "index.json").read_text())["leaves"][key]["at"]["array"]
+    return next(p for p in sorted((checkpoint / "data" / array / "c").rglob("*")) if p.is_file())
+
+
+@pytest.mark.parametrize("kind", ["jax", "numpy"])
+@pytest.mark.parametrize("where", ["a chunk's crc", "the shard index", "the values"])
+def test_a_damaged_file_is_written_afresh_not_linked(tmp_path, kind, where):
+    if kind == "numpy" and where == "the values":
+        pytest.skip("a numpy array's values are compared with the file's: changed values are written anyway")
+    w = jnp.arange(600_000, dtype=jnp.float32) if kind == "jax" else np.arange(600_000, dtype=np.float32)
+    ckpt = jaxckpt.Checkpoint(w=w, step=0)
+    directory = tmp_path / "ckpts"
+    with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=5) as manager:
+        first = Path(manager.save())
+        manager.wait_until_finished()
+        shard = _shard_of(first, "w")
+        size = shard.stat().st_size
+        offset = {"a chunk's crc": 600_000 * 4 + 1, "the shard index": size - 10, "the values": 1000}[where]
+        _flip(shard, offset)
+        ckpt.step = 1
+        second = Path(manager.save())
+        manager.wait_until_finished()
+    assert _shard_of(second, "w").stat().st_ino != shard.stat().st_ino  # its own copy, written from memory
+    np.testing.assert_array_equal(jaxckpt.restore(second)["w"], np.arange(600_000, dtype=np.float32))

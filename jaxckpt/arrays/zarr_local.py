@@ -159,25 +159,51 @@ def _open_regular(array: LocalArray, file: str) -> int:
 
 def _shard_index(array: LocalArray, fd: int, file: str, chunks: int, stored_bytes: int) -> np.ndarray:
     """The (offset, size) of each inner chunk of a shard file, checked against the file."""
+    entries = shard_index(fd, file, chunks, stored_bytes)
+    if isinstance(entries, str):
+        raise _damaged(array, entries)
+    return entries
+
+
+def shard_index(fd: int, file: str, chunks: int, stored_bytes: int) -> np.ndarray | str:
+    """The (offset, size) of each inner chunk of the shard file open as ``fd``, checked against the
+    file (its own CRC-32C, every chunk within the file, of ``stored_bytes``, none overlapping); or
+    what is wrong with it."""
     size = os.fstat(fd).st_size
     length = chunks * _ENTRY + CRC
     if size < length:
-        raise _damaged(array, f"{file} is {size} bytes, too short for its index of {chunks} chunks")
+        return f"{file} is {size} bytes, too short for its index of {chunks} chunks"
     raw = os.pread(fd, length, size - length)
     if len(raw) != length or crc_bytes(memoryview(raw[:-CRC])) != raw[-CRC:]:
-        raise _damaged(array, f"the chunk index of {file} fails its checksum")
+        return f"the chunk index of {file} fails its checksum"
     entries = np.frombuffer(raw[:-CRC], "<u8").reshape(chunks, 2)
     end = size - length
     offsets, sizes = entries[:, 0], entries[:, 1]
     if (offsets == _EMPTY).any():
-        raise _damaged(array, f"chunks of {file} are missing")
+        return f"chunks of {file} are missing"
     # Compared so that nothing wraps around in uint64: the size first, then the offset against what it leaves.
     if (sizes != stored_bytes).any() or stored_bytes > end or (offsets > end - stored_bytes).any():
-        raise _damaged(array, f"the chunk index of {file} names chunks outside the file or of the wrong size")
+        return f"the chunk index of {file} names chunks outside the file or of the wrong size"
     starts = np.sort(offsets)
     if (starts[1:] - starts[:-1] < stored_bytes).any():
-        raise _damaged(array, f"the chunk index of {file} names chunks that overlap")
+        return f"the chunk index of {file} names chunks that overlap"
     return entries
+
+
+def shard_intact(fd: int, file: str, crcs: Sequence[int], chunk_bytes: int) -> bool:
+    """Whether the shard file open as ``fd`` is whole as saved: its chunk index checked (see
+    :func:`shard_index`), and each inner chunk's bytes and the CRC-32C stored after it those of
+    ``crcs``. Reads the whole file, :data:`READ_PIECE` bytes at a time; before a file is shared by
+    another checkpoint (an incremental save's hard link), so that damage is found, not spread."""
+    entries = shard_index(fd, file, len(crcs), chunk_bytes + CRC)
+    if isinstance(entries, str):
+        return False
+    buffer = aligned_empty((chunk_bytes,), np.dtype(np.uint8))
+    view = buffer.data.cast("B")
+    for (offset, _), expected in zip(entries.tolist(), crcs):
+        if _read_chunk(fd, view, offset, checksum=True) != expected:
+            return False
+    return True
 
 
 def _read_chunk(fd: int, into: memoryview, offset: int, checksum: bool) -> int | None:

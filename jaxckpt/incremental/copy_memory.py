@@ -13,7 +13,8 @@ durable copy put where, and the next copy does not copy such files again:
   otherwise they are copied.
 
 In both cases the array's CRC-32Cs that the new checkpoint's ``checksums.json`` lists must equal
-those of the array copied before, and locally each file's size and modification time too. An inode
+those of the array copied before, and each local file's size and modification time too (an
+incremental save's hard link keeps both; a new file has its own). An inode
 alone does not name a file's bytes: the file system gives the inode of a file that local retention
 deleted to a new file, often in the very next save, and a pack (rewritten at every save) would then
 be linked with the old checkpoint's bytes. Packs, ``zarr.json`` files and the index are always copied.
@@ -33,7 +34,9 @@ from jaxckpt.arrays.checksums import StoreChecksums, hinted_crcs, read_hint
 from jaxckpt.format.refs_json import STORE, Ref
 from jaxckpt.storage.locations import Location
 
-_Key = tuple[tuple[str, int, int], ...]  # an array's shard files: (chunk key, device, inode), sorted
+# An array's shard files: (chunk key, device, inode, size, modification time), sorted. An inode alone
+# is weak evidence (see the module's docstring), for a bucket's durable tier as for a local one.
+_Key = tuple[tuple[str, int, int, int, int], ...]
 
 
 def _arrays(files: Sequence[str]) -> dict[str, list[str]]:
@@ -57,7 +60,7 @@ def _key(source: Path, array: str, files: Sequence[str]) -> _Key | None:
             st = os.stat(source / rel)
         except OSError:
             return None
-        shards.append((rel[len(array) + 1 :], st.st_dev, st.st_ino))
+        shards.append((rel[len(array) + 1 :], st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
     return tuple(sorted(shards)) or None
 
 

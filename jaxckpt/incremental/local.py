@@ -41,8 +41,10 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import stat
+import struct
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -53,7 +55,7 @@ import numpy as np
 
 from jaxckpt.arrays import store_write
 from jaxckpt.arrays.checksums import StoreChecksums, hinted_crcs, read_hint
-from jaxckpt.arrays.zarr_local import CRC, shards_in
+from jaxckpt.arrays.zarr_local import CRC, shard_index, shard_intact, shards_in
 from jaxckpt.arrays.zarr_meta import chunk_key, inner_chunk_shape, metadata, numpy_dtype, shard_number
 from jaxckpt.arrays.zarr_write import LINKS, ZARR_JSON_LINK, inner_chunks, shards_of
 from jaxckpt.format.records import DATA_DIR, NUMPY, ArrayLeaf, InArray, data_store
@@ -65,6 +67,9 @@ from jaxckpt.storage.locations import Location
 
 _Read = dict[tuple[Path, str], StoreChecksums | None]  # a data store's checksums, by (folder, save)
 _PROBE = 64 << 10  # bytes of a numpy array compared with its file's before any CRC (_same_content)
+# Saves in a row that may link an unchanged array's files before one writes them afresh: a copy is
+# never shared by more checkpoints than this (1/128 of the unchanged bytes a save, on average).
+MAX_GENERATIONS = 128
 
 
 class Shard(NamedTuple):
@@ -80,6 +85,7 @@ class _Entry:
     stored: str
     shards: dict[tuple[str, int], Shard] | None = None  # written by a save: (store, number) -> shard
     restored: tuple[Path, str, str] | None = None  # restored: the checkpoint, the array's path, its save
+    generation: int = 0  # saves in a row that linked these files (0: written by the last save)
 
 
 @dataclasses.dataclass
@@ -122,6 +128,7 @@ class Memory:
         self._entries: dict[int, _Entry] = {}
         self._restored: dict[int, _Entry] = {}
         self._host: dict[str, _Host] = {}
+        self._generations: dict[int, int] = {}  # the arrays the save being made links, by id: their generation
         # The manager's directory (resolved): restores of its checkpoints outside its calls count too.
         self.directory = None if directory is None else os.path.realpath(directory)
         if directory is not None:
@@ -157,15 +164,22 @@ class Memory:
                 continue
             if x.is_deleted() or not isinstance(x.dtype, np.dtype):  # a deleted one is refused as ever
                 continue
+            if entry.generation >= MAX_GENERATIONS:  # written afresh now and then: no copy is shared forever
+                continue
             planned = plan(x, me, own_copy)
             if planned is None or planned[0] != entry.chunks or entry.stored != np.dtype(x.dtype).name:
                 continue
             sources = self._sources(entry, planned[1], read)
+            if sources is not None and in_host_memory(x) and not same_crcs(x, entry.chunks, sources):
+                continue  # its buffer may be a host array's, changed in place since (may_alias, dlpack)
             if sources is not None:
-                meta = json.dumps(metadata(x.shape, entry.stored, entry.chunks, np.dtype(x.dtype).itemsize)).encode()
-                linked = _link_all(sources, planned[1], staging, len(out), meta)
+                itemsize = np.dtype(x.dtype).itemsize
+                meta = json.dumps(metadata(x.shape, entry.stored, entry.chunks, itemsize)).encode()
+                chunk_bytes = math.prod(inner_chunk_shape(entry.chunks, itemsize)) * itemsize
+                linked = _link_all(sources, planned[1], staging, len(out), meta, chunk_bytes)
                 if linked is not None:
                     out[key] = Linked(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), planned[0], linked)
+                    self._generations[id(x)] = entry.generation + 1
         return out
 
     def _sources(
@@ -227,8 +241,10 @@ class Memory:
                 or leaf.at.chunks is None
             ):
                 continue
-            entries[id(x)] = _Entry(ref, tuple(leaf.at.chunks), leaf.at.stored, shards=_written(dest, leaf, writers))
-        self._entries, self._restored = entries, {}
+            generation = self._generations.get(id(x), 0)
+            shards = _written(dest, leaf, writers)
+            entries[id(x)] = _Entry(ref, tuple(leaf.at.chunks), leaf.at.stored, shards=shards, generation=generation)
+        self._entries, self._restored, self._generations = entries, {}, {}
 
     def loaded(self, opened: Any, values: Mapping[str, Any]) -> None:
         """A restore's values (:func:`loaded`): the arrays read unchanged from a local checkpoint of format 5."""
@@ -342,10 +358,18 @@ def _same_content(views: list[memoryview], shard: Shard) -> int | None:
             return None
         if any(crc32c_of(v) != crc for v, crc in zip(views, shard.crcs)):
             return None
+        # The file as it is now, all of it, before another checkpoint shares it: its chunk index, each
+        # chunk's bytes and the CRC stored after it (a flipped bit there would be linked on otherwise).
+        stored = len(views[0]) + CRC  # each chunk is followed by its CRC (jaxckpt.arrays.zarr_write)
+        entries = shard_index(fd, shard.file, len(views), stored)
+        if isinstance(entries, str) or entries[:, 0].tolist() != [i * stored for i in range(len(views))]:
+            return None
         offset = 0
-        for view in views:
-            size = len(view) + CRC  # each chunk is followed by its CRC (jaxckpt.arrays.zarr_write)
+        for view, crc in zip(views, shard.crcs):
+            size = len(view) + CRC
             if os.preadv(fd, [buffer.data[:size]], offset) != size or not _equal(buffer[: len(view)], view):
+                return None
+            if bytes(buffer[len(view) : size]) != struct.pack("<I", crc):
                 return None
             offset += size
         return inode
@@ -405,9 +429,13 @@ def _link_all(
     staging: Path,
     n: int,
     meta: bytes,
+    chunk_bytes: int | None = None,
 ) -> dict[str, dict[int, tuple[str, str, tuple[int, ...]]]] | None:
     """Hard-link every source into ``<staging>/<store>/.links/``; None (and no link left) if one fails.
-    A source's ``zarr.json`` is linked too where it holds exactly ``meta`` (else the save writes it)."""
+    A source's ``zarr.json`` is linked too where it holds exactly ``meta`` (else the save writes it).
+    ``chunk_bytes``: each linked file is read and checked whole first (its chunk index, every inner
+    chunk's bytes and stored CRC-32C against the shard's CRCs), so that a damaged file is written
+    afresh, not shared with one more checkpoint; None where the caller compared it already."""
     made: list[str] = []
     out: dict[str, dict[int, tuple[str, str, tuple[int, ...]]]] = {}
     try:
@@ -422,6 +450,8 @@ def _link_all(
                 raise FileNotFoundError(f"{shard.file} is not a regular file")
             if shard.inode is not None and linked.st_ino != shard.inode:
                 raise FileNotFoundError(f"{shard.file} is another file than the one saved")
+            if chunk_bytes is not None and not _intact(link, shard, chunk_bytes):
+                raise FileNotFoundError(f"{shard.file} is damaged")
             out.setdefault(store, {})[number] = (link, keys[(store, number)], shard.crcs)
             if ZARR_JSON_LINK not in out[store]:
                 source = os.path.join(shard.file[: -len(keys[(store, number)]) - 1], "zarr.json")
@@ -435,3 +465,35 @@ def _link_all(
                 os.unlink(link)
         return None
     return out
+
+
+def _intact(path: str, shard: Shard, chunk_bytes: int) -> bool:
+    """Whether the shard file at ``path`` (a link just made) is whole, with ``shard``'s CRCs."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return shard_intact(fd, path, shard.crcs, chunk_bytes)
+    finally:
+        os.close(fd)
+
+
+def in_host_memory(x: jax.Array) -> bool:
+    """Whether ``x``'s buffers are in host memory (CPU devices): they may be a numpy array's, or a
+    DLPack producer's, that its owner changes in place (``jax.device_put(buf, may_alias=True)``,
+    ``jax.dlpack.from_dlpack``), so its identity is no proof that its values are those saved."""
+    return any(getattr(d, "platform", None) == "cpu" for d in x.sharding.device_set)
+
+
+def same_crcs(x: jax.Array, chunks: tuple[int, ...], sources: Mapping[tuple[str, int], Any]) -> bool:
+    """Whether the bytes of ``x`` in each shard that ``sources`` names (by (store, number); each with
+    the ``crcs`` of its inner chunks) still have those CRC-32Cs."""
+    shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+    inner = inner_chunk_shape(chunks, dtype.itemsize)
+    parts = {region(s.index, shape): (s.index, np.asarray(s.data)) for s in x.addressable_shards}
+    wanted: dict[int, tuple[int, ...]] = {number: tuple(s.crcs) for (_, number), s in sources.items()}
+    seen = set()
+    for number, _, data in shards_of(shape, dtype, chunks, list(parts.values())):
+        if number in wanted and number not in seen:
+            if tuple(crc32c_of(v) for v in inner_chunks(data, inner)) != wanted[number]:
+                return False
+            seen.add(number)
+    return seen == set(wanted)
