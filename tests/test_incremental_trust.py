@@ -299,8 +299,11 @@ def _aligned(n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("how", ["may_alias", "dlpack"])
-def test_an_array_aliasing_host_memory_changed_in_place_is_written_again(tmp_path, how):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_array_aliasing_host_memory_changed_in_place_is_written_again(tmp_path, how, where, request):
     import jax
+
+    directory = str(tmp_path / "ckpts") if where == "local" else request.getfixturevalue("s3")
 
     buf = _aligned(600_000)  # 2.4 MB: an array of its own
     buf[:] = np.arange(buf.size, dtype=np.float32)
@@ -308,7 +311,7 @@ def test_an_array_aliasing_host_memory_changed_in_place_is_written_again(tmp_pat
     buf[:3] = -1.0
     assert np.asarray(x)[0] == -1.0  # it is the host buffer
     ckpt = jaxckpt.Checkpoint(w=x)
-    with jaxckpt.CheckpointManager(ckpt, tmp_path / "ckpts", max_to_keep=3) as manager:
+    with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=3) as manager:
         manager.save()
         manager.wait_until_finished()
         buf[:] = 7.0  # the same jax.Array object, other values
@@ -352,3 +355,30 @@ def test_a_damaged_file_is_written_afresh_not_linked(tmp_path, kind, where):
         manager.wait_until_finished()
     assert _shard_of(second, "w").stat().st_ino != shard.stat().st_ino  # its own copy, written from memory
     np.testing.assert_array_equal(jaxckpt.restore(second)["w"], np.arange(600_000, dtype=np.float32))
+
+
+def test_a_save_cut_short_while_clearing_an_interrupted_save_leaves_provable_leftovers(s3, monkeypatch):
+    """Found by test_crash's kills: a save that removes an interrupted save's leftovers, cut short after
+    one deletion, must leave what the next save (or start-up) still proves jaxckpt's."""
+    path = f"{s3}/ckpt-5"
+    spec = locations.location(path).spec()
+    for key in (".jaxckpt-save", "data/refs.json", "data/a/1/zarr.json", "data/checksums.json"):
+        kvstore.kv_write(spec, key, b"{}")
+    real = kvstore.kv_delete
+    calls = []
+
+    class Killed(Exception):
+        pass
+
+    def delete_once(base, key):
+        calls.append(key)
+        if len(calls) > 1:
+            raise Killed(key)
+        real(base, key)
+
+    monkeypatch.setattr(kvstore, "kv_delete", delete_once)
+    with pytest.raises(Killed):
+        jaxckpt.save(path, {"x": np.ones(3)})
+    monkeypatch.setattr(kvstore, "kv_delete", real)
+    jaxckpt.save(path, {"x": np.arange(3)})
+    np.testing.assert_array_equal(jaxckpt.restore(path)["x"], np.arange(3))

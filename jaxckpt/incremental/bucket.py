@@ -34,7 +34,7 @@ from jaxckpt.arrays.zarr_meta import shard_number
 from jaxckpt.format.records import ArrayLeaf, InArray, data_store
 from jaxckpt.format.refs_json import REFS_FILE, Ref, decode
 from jaxckpt.incremental import memories
-from jaxckpt.incremental.local import Memory
+from jaxckpt.incremental.local import Memory, in_host_memory, same_crcs
 from jaxckpt.incremental.refs import names_used
 from jaxckpt.reading.refs import READ_LIMIT, parent
 from jaxckpt.saving.reuse import Linked
@@ -123,6 +123,8 @@ class BucketMemory:
             if holder is None or not planned[1] <= set(holder.shards):
                 continue
             ref = holder._replace(shards={n: holder.shards[n] for n in sorted(planned[1])})
+            if in_host_memory(x) and not same_crcs(x, entry.chunks, ref.shards):
+                continue  # its buffer may be a host array's, changed in place since (may_alias, dlpack)
             out[key] = Linked(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), planned[0], {store: ref})
         return out
 

@@ -46,7 +46,7 @@ import os
 import stat
 import struct
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -170,7 +170,8 @@ class Memory:
             if planned is None or planned[0] != entry.chunks or entry.stored != np.dtype(x.dtype).name:
                 continue
             sources = self._sources(entry, planned[1], read)
-            if sources is not None and in_host_memory(x) and not same_crcs(x, entry.chunks, sources):
+            crcs = None if sources is None else {number: s.crcs for (_, number), s in sources.items()}
+            if crcs is not None and in_host_memory(x) and not same_crcs(x, entry.chunks, crcs):
                 continue  # its buffer may be a host array's, changed in place since (may_alias, dlpack)
             if sources is not None:
                 itemsize = np.dtype(x.dtype).itemsize
@@ -483,13 +484,13 @@ def in_host_memory(x: jax.Array) -> bool:
     return any(getattr(d, "platform", None) == "cpu" for d in x.sharding.device_set)
 
 
-def same_crcs(x: jax.Array, chunks: tuple[int, ...], sources: Mapping[tuple[str, int], Any]) -> bool:
-    """Whether the bytes of ``x`` in each shard that ``sources`` names (by (store, number); each with
-    the ``crcs`` of its inner chunks) still have those CRC-32Cs."""
+def same_crcs(x: jax.Array, chunks: tuple[int, ...], crcs: Mapping[int, Sequence[int]]) -> bool:
+    """Whether the bytes of ``x`` in each shard of ``crcs`` (its number in the shard grid -> the
+    CRC-32C of each of its inner chunks) still have those CRC-32Cs."""
     shape, dtype = tuple(x.shape), np.dtype(x.dtype)
     inner = inner_chunk_shape(chunks, dtype.itemsize)
     parts = {region(s.index, shape): (s.index, np.asarray(s.data)) for s in x.addressable_shards}
-    wanted: dict[int, tuple[int, ...]] = {number: tuple(s.crcs) for (_, number), s in sources.items()}
+    wanted = {number: tuple(c) for number, c in crcs.items()}
     seen = set()
     for number, _, data in shards_of(shape, dtype, chunks, list(parts.values())):
         if number in wanted and number not in seen:

@@ -134,9 +134,16 @@ def clear_for_save(path: Location, keys: list[str] | None = None) -> None:
         keys = kvstore.kv_keys(path.spec())
         if keys and not (INDEX_FILE in keys or _only_leftovers(keys)):  # it changed since check_writable
             check_writable(path, overwrite=False)
-    if keys:
-        delete_tree(path)
-    kvstore.kv_write(path.spec(), SAVE_MARKER, b"an unfinished jaxckpt save; it has no index.json yet\n")
+    base = path.spec()
+    if SAVE_MARKER not in (keys or ()):
+        kvstore.kv_write(base, SAVE_MARKER, b"an unfinished jaxckpt save; it has no index.json yet\n")
+    # The marker first and kept, the old index next: whatever a kill in the middle leaves is an
+    # interrupted save's, provably jaxckpt's to remove (by the next save there, or a manager's start).
+    if keys and INDEX_FILE in keys:
+        kvstore.kv_delete(base, INDEX_FILE)
+    for key in keys or ():
+        if key not in (SAVE_MARKER, INDEX_FILE):
+            kvstore.kv_delete(base, key)
 
 
 def _staging_stem(name: str, mark: str = PARTIAL_MARK) -> str:
