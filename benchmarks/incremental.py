@@ -129,9 +129,12 @@ def child(config: str, workdir: str, side: int, leaves: int, steps: int) -> dict
     # The time spent in jaxckpt.incremental.local itself (where this jaxckpt has it).
     looking: list[float] = []
     try:
-        from jaxckpt.incremental import local
+        try:
+            from jaxckpt.incremental import local
+        except ImportError:  # a jaxckpt before the package was laid out by layers
+            from jaxckpt import _incremental as local  # type: ignore[attr-defined,no-redef]
 
-        for name in ("link", "refs", "remember"):
+        for name in ("link", "remember"):
             real = getattr(local.Memory, name)
 
             def timed(self: Any, *a: Any, _real: Any = real, **k: Any) -> Any:
