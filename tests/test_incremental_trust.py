@@ -382,3 +382,14 @@ def test_a_save_cut_short_while_clearing_an_interrupted_save_leaves_provable_lef
     monkeypatch.setattr(kvstore, "kv_delete", real)
     jaxckpt.save(path, {"x": np.arange(3)})
     np.testing.assert_array_equal(jaxckpt.restore(path)["x"], np.arange(3))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_managers_view_closes_the_views_it_gave(tmp_path):
+    directory = tmp_path / "ckpts"
+    with jaxckpt.CheckpointManager(jaxckpt.Checkpoint(w=np.ones(3)), directory) as manager:
+        manager.save()
+    with jaxckpt.inspect(directory) as view:
+        assert view.latest["w"].tolist() == [1.0, 1.0, 1.0]
+        assert _open_under(directory) != []  # the latest's folder, held while the view is open
+    assert _open_under(directory) == []

@@ -335,6 +335,7 @@ class ManagerView:
         """``state``: the bytes of its state file, if read already (see :func:`jaxckpt.reading.open.probe`)."""
         location = locations.location(directory)
         self.directory = location.text
+        self._views: list[CheckpointView] = []  # what latest gave, closed with this view
         data = state if state is not None else statefile.read_state_file(location)
         found = statefile.parse_full_state(location, data, tensorflow_is_none=True)
         self.checkpoints: list[CheckpointInfo] = found[0] if found is not None else []
@@ -373,8 +374,26 @@ class ManagerView:
 
     @property
     def latest(self) -> CheckpointView | None:
-        """A :class:`CheckpointView` of the latest checkpoint, or None if the directory lists none."""
-        return CheckpointView(self.checkpoints[-1].path) if self.checkpoints else None
+        """A :class:`CheckpointView` of the latest checkpoint, or None if the directory lists none
+        (closed with this view, or by itself)."""
+        if not self.checkpoints:
+            return None
+        view = CheckpointView(self.checkpoints[-1].path)
+        self._views.append(view)
+        return view
+
+    def close(self) -> None:
+        """Close the checkpoint views that :attr:`latest` gave (the state file is read whole, at once:
+        nothing else is held open). ``with jaxckpt.inspect(directory) as view:`` closes them."""
+        views, self._views = self._views, []
+        for view in views:
+            view.close()
+
+    def __enter__(self) -> ManagerView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __len__(self) -> int:
         return len(self.checkpoints)
