@@ -43,11 +43,13 @@ from jaxckpt.manager.policies import (
 from jaxckpt.manager.preemption import PreemptionHandler
 from jaxckpt.reading.follow import checkpoints_iterator
 from jaxckpt.reading.open import latest_checkpoint
+from jaxckpt.reading.templates import PLACEHOLDER
 from jaxckpt.storage.statefile import CheckpointInfo
 from jaxckpt.tools.inspect import CheckpointView, ManagerView, inspect
 
 __all__ = [
     "FORMAT_VERSION",
+    "PLACEHOLDER",
     "Checkpoint",
     "CheckpointCorruptedError",
     "CheckpointExistsError",

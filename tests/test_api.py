@@ -5,7 +5,7 @@ import jaxckpt
 PUBLIC = {
     # saving and restoring
     "Checkpoint", "RestoreStatus", "save", "restore", "wait_until_finished", "list_variables", "load_variable",
-    "FORMAT_VERSION",
+    "FORMAT_VERSION", "PLACEHOLDER",
     # training loops
     "CheckpointManager", "latest_checkpoint", "checkpoints_iterator", "CheckpointInfo", "RetentionPolicy",
     "KeepLatest", "KeepEvery", "KeepMultiplesOf", "KeepSpaced", "KeepBest", "KeepAny", "restore_slots", "SlotReport",

@@ -435,3 +435,39 @@ def test_best_fn_keeps_the_latest_too(tmp_path):
         assert manager.best_step() == record["best_step"]
         deleted_at_once += latest not in record["all_steps"]
     assert deleted_at_once == 3  # steps 5 and 7 as saved, and 7 again on reopening: Orbax lost its newest
+
+
+# --- PLACEHOLDER: a leaf or subtree left out of a restore, as Orbax's ocp.PLACEHOLDER ---------------
+
+
+def test_placeholder_leaves_a_leaf_or_a_subtree_out_of_the_restore(tmp_path):
+    path = tmp_path / "c"
+    jaxckpt.save(path, {"params": {"w": np.arange(4.0), "b": np.ones(2)}, "opt": {"mu": np.zeros(4)}, "step": 3})
+    like = {"params": {"w": np.zeros(4), "b": jaxckpt.PLACEHOLDER}, "opt": jaxckpt.PLACEHOLDER, "step": 0}
+    restored = jaxckpt.restore(path, like=like)
+    np.testing.assert_array_equal(restored["params"]["w"], np.arange(4.0))
+    assert restored["params"]["b"] is jaxckpt.PLACEHOLDER and restored["opt"] is jaxckpt.PLACEHOLDER
+    assert restored["step"] == 3
+    # A placeholder for a key the checkpoint lacks is no mismatch either; a real template still is.
+    jaxckpt.restore(path, like={**like, "extra": jaxckpt.PLACEHOLDER})
+    with pytest.raises(jaxckpt.MismatchError, match="extra"):
+        jaxckpt.restore(path, like={**like, "extra": np.zeros(1)})
+    assert repr(jaxckpt.PLACEHOLDER) == "jaxckpt.PLACEHOLDER"
+
+
+def test_a_float_array_restores_as_ints_only_where_every_value_is_whole(tmp_path):
+    """Orbax's guide restores a float32 array through an int16 template; jaxckpt does too where nothing
+    is lost, and says which value would be where something would."""
+    path = tmp_path / "c"
+    jaxckpt.save(path, {"whole": np.arange(6, dtype=np.float32) - 2, "half": np.array([1.0, 2.5], np.float32)})
+    like = {"whole": jax.ShapeDtypeStruct((6,), jnp.int16), "half": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    restored = jaxckpt.restore(path, like=like)
+    assert restored["whole"].dtype == jnp.int16 and restored["whole"].tolist() == [-2, -1, 0, 1, 2, 3]
+    with pytest.raises(jaxckpt.MismatchError, match=r"'half'.*such as 2\.5"):
+        jaxckpt.restore(path, like={**like, "half": jax.ShapeDtypeStruct((2,), jnp.int16)})
+    with pytest.raises(jaxckpt.MismatchError, match="int16"):  # out of range: never wrapped around
+        jaxckpt.save(tmp_path / "big", {"x": np.array([70000.0], np.float32)})
+        jaxckpt.restore(tmp_path / "big", like={"x": jax.ShapeDtypeStruct((1,), jnp.int16)})
+    jaxckpt.save(tmp_path / "ints", {"i": np.array([1, 2], np.int32)})
+    with pytest.raises(jaxckpt.MismatchError, match="never int to float"):  # the other way: refused by kind
+        jaxckpt.restore(tmp_path / "ints", like={"i": jax.ShapeDtypeStruct((2,), jnp.float32)})

@@ -24,7 +24,7 @@ from jaxckpt.format.records import NUMPY, ArrayLeaf, Index, InForeign, Leaf, Val
 from jaxckpt.interop import formats
 from jaxckpt.reading.open import ForeignOpened, open_latest
 from jaxckpt.reading.reader import Opened
-from jaxckpt.reading.templates import NO_TEMPLATE
+from jaxckpt.reading.templates import NO_TEMPLATE, PLACEHOLDER
 from jaxckpt.runtime import background
 from jaxckpt.storage import locations
 from jaxckpt.storage.locations import PathLike
@@ -307,6 +307,10 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
         return build(index.nodes, opened.load(dict.fromkeys(index.leaves, NO_TEMPLATE)))
     flat = flatten(like)
     templates = flat.leaves
+    # Left out of the restore (PLACEHOLDER), with whatever the checkpoint holds under their keys.
+    held_out = [k for k, t in templates.items() if t is PLACEHOLDER]
+    if held_out:
+        flat.leaves = templates = {k: t for k, t in templates.items() if t is not PLACEHOLDER}
     # One pass over the keys: each lookup in a table of a million leaves is a cache miss.
     saved = index.leaves
     wanted: dict[str, Any] = {}  # by checkpoint key
@@ -337,7 +341,8 @@ def _restore_from(opened: Opened | ForeignOpened, like: Any, partial: bool, key_
     if not partial:
         # None unused where `like` has every key (the common case): the index's graph need not be walked.
         fits = not missing and len(wanted) == len(index.leaves)
-        unused = [] if fits else _unused(opened, wanted, {*empties, *save_counters(index)})
+        left_out = {key for k in held_out for key in index.keys_under(k)}
+        unused = [] if fits else _unused(opened, wanted, {*empties, *save_counters(index), *left_out})
         if missing or unused:
             parts = [f"The checkpoint {str(opened.path)!r} does not match the structure of `like`."]
             if missing:

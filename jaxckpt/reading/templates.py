@@ -27,6 +27,22 @@ from jaxckpt.tree.objects import is_state_object
 NO_TEMPLATE = object()
 
 
+class _Placeholder:
+    """The type of :data:`PLACEHOLDER`."""
+
+    def __repr__(self) -> str:
+        return "jaxckpt.PLACEHOLDER"
+
+    def __reduce__(self) -> str:
+        return "PLACEHOLDER"
+
+
+#: In a template, a leaf or a whole subtree that a restore leaves out (Orbax's ``ocp.PLACEHOLDER``):
+#: nothing of the checkpoint's under its key is read or required, and the restored tree holds
+#: ``PLACEHOLDER`` there, as the template did.
+PLACEHOLDER = _Placeholder()
+
+
 def held_text(leaf: Leaf) -> str:
     if isinstance(leaf, ValueLeaf):
         if leaf.type == "state_per_process":
@@ -121,9 +137,13 @@ def check(key: str, leaf: Leaf, template: Any) -> None:
         raise _mismatch(key, leaf, template)
     if np.dtype(template.dtype) != leaf.dtype and _kind(template.dtype) in ("other", None):
         raise _mismatch(key, leaf, template)
-    if _kind(template.dtype) != _kind(leaf.dtype):
+    if _kind(template.dtype) != _kind(leaf.dtype) and (_kind(leaf.dtype), _kind(template.dtype)) != ("float", "int"):
         raise _mismatch(
-            key, leaf, template, " jaxckpt casts float to float and int to int on restore, never across kinds."
+            key,
+            leaf,
+            template,
+            " jaxckpt casts float to float and int to int on restore, and float to int where every value is a "
+            "whole number the int holds; never int to float or anything else across kinds.",
         )
 
 
@@ -192,10 +212,23 @@ def _int_range(dtype: np.dtype) -> tuple[int, int]:
 def cast(key: str, data: np.ndarray, dtype: Any) -> np.ndarray:
     """``data`` (host) as the template's ``dtype``, as Orbax does: floats round to the nearest value
     the target holds; ints convert exactly, and a value the target cannot hold is a MismatchError
-    (never a silent wraparound)."""
+    (never a silent wraparound). Floats into an int (Orbax's guide restores a float32 array as int16)
+    only where every value is a whole number: a fraction, NaN or infinity is a MismatchError, never
+    truncated."""
     dtype = np.dtype(dtype)
     if data.dtype == dtype:
         return data
+    if _kind(dtype) == "int" and _kind(data.dtype) == "float" and data.size:
+        wide = data.astype(np.float64)
+        bad = ~np.isfinite(wide) | (wide != np.trunc(wide))
+        if bad.any():
+            first = float(wide.reshape(-1)[int(np.argmax(bad.reshape(-1)))])
+            raise MismatchError(
+                f"Cannot restore {describe(key)} as {dtype.name}: the checkpoint holds {data.dtype.name} values that "
+                f"are not whole numbers (such as {first!r}); jaxckpt casts floats to ints only where nothing is lost. "
+                "Restore it as a float and round it as you mean to."
+            )
+        data = wide
     if _kind(dtype) == "int" and data.size:
         lo, hi = _int_range(dtype)
         found_lo, found_hi = int(data.min()), int(data.max())
