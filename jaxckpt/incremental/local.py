@@ -60,6 +60,7 @@ from jaxckpt.arrays.zarr_meta import chunk_key, inner_chunk_shape, metadata, num
 from jaxckpt.arrays.zarr_write import LINKS, ZARR_JSON_LINK, inner_chunks, shards_of
 from jaxckpt.format.records import DATA_DIR, NUMPY, ArrayLeaf, InArray, data_store
 from jaxckpt.incremental import memories
+from jaxckpt.saving.pipeline import grouped_shards
 from jaxckpt.saving.reuse import Linked
 from jaxckpt.saving.snapshot import owners, process_of, region, whole
 from jaxckpt.storage.local_files import aligned_empty, crc32c_of
@@ -490,9 +491,12 @@ def same_crcs(x: jax.Array, chunks: tuple[int, ...], crcs: Mapping[int, Sequence
     shape, dtype = tuple(x.shape), np.dtype(x.dtype)
     inner = inner_chunk_shape(chunks, dtype.itemsize)
     parts = {region(s.index, shape): (s.index, np.asarray(s.data)) for s in x.addressable_shards}
+    held = list(parts.values())
+    if any(hi - lo < c and hi < n for box in parts for (lo, hi), c, n in zip(box, chunks, shape)):
+        held = grouped_shards(held, shape, dtype, chunks)  # a bucket's shards of several device shards
     wanted = {number: tuple(c) for number, c in crcs.items()}
     seen = set()
-    for number, _, data in shards_of(shape, dtype, chunks, list(parts.values())):
+    for number, _, data in shards_of(shape, dtype, chunks, held):
         if number in wanted and number not in seen:
             if tuple(crc32c_of(v) for v in inner_chunks(data, inner)) != wanted[number]:
                 return False

@@ -394,7 +394,7 @@ class _Records:
         else:
             parts = host
         if grouped and parts:
-            parts = _grouped(parts, shape, dtype, chunks)
+            parts = grouped_shards(parts, shape, dtype, chunks)
             self._held += sum(data.nbytes for _, data in parts)
         self.writer.add_array(at.path, shape, dtype, chunks, parts)
         return at
@@ -411,7 +411,7 @@ class _Records:
         )
 
 
-def _grouped(
+def grouped_shards(
     parts: list[tuple[tuple[slice, ...], np.ndarray]], shape: tuple[int, ...], dtype: np.dtype, shard: tuple[int, ...]
 ) -> list[tuple[tuple[slice, ...], np.ndarray]]:
     """The shards of ``shard`` shape (each a block of whole device shards, see
