@@ -154,6 +154,7 @@ def prune(target: locations.Location, users: Sequence[locations.Location], name:
             held.update((r.store, r.array) for r in refs.values() if r.checkpoint == name)
     if not held and not _dropped(target):
         return  # nothing of it is held for them and no mark proves it this manager's: not touched
+    _mark(target)  # held data carries the mark, which proves it this manager's to delete once unused
     stores = {s for s, _ in held}
 
     def kept(key: str) -> bool:
@@ -183,3 +184,13 @@ def _dropped(target: locations.Location) -> bool:
     if target.local is not None:
         return statefile.is_marked(target)
     return kvstore.kv_exceeds(target.spec(), statefile.UNRECORDED, 0) is not None
+
+
+def _mark(target: locations.Location) -> None:
+    """Put retention's mark on ``target`` where it is not there yet (see :func:`_dropped`)."""
+    if _dropped(target):
+        return
+    if target.local is not None:
+        (target.local / statefile.UNRECORDED).touch()
+    else:
+        kvstore.kv_write(target.spec(), statefile.UNRECORDED, b"held data of kept checkpoints\n")

@@ -318,15 +318,14 @@ def _erase(target: locations.Location, users: Sequence[locations.Location] = ())
 
 
 def _delete_rest(path: locations.Location) -> None:
-    """Every object of ``path`` (its index gone already), one request each, the mark last: an
-    interrupted deletion leaves objects that the mark still proves this manager's to remove."""
+    """Every object of ``path`` (its index gone already), one request each, the marks last (retention's,
+    an interrupted save's): an interrupted deletion leaves objects that a mark still proves this
+    manager's to remove."""
     base = path.spec()
     keys = kvstore.kv_keys(base)
-    for key in keys:
-        if key != statefile.UNRECORDED:
-            kvstore.kv_delete(base, key)
-    if statefile.UNRECORDED in keys:
-        kvstore.kv_delete(base, statefile.UNRECORDED)
+    proofs = (statefile.UNRECORDED, staging.SAVE_MARKER)
+    for key in [k for k in keys if k not in proofs] + [k for k in proofs if k in keys]:
+        kvstore.kv_delete(base, key)
 
 
 def _delete_renamed(hidden: Path) -> None:
