@@ -86,13 +86,15 @@ def test_state_that_is_not_json(tmp_path):
 
 
 def test_shape_and_dtype_mismatch_name_key_expected_and_found(tmp_path):
-    path = jaxckpt.save(tmp_path / "c", {"net": {"w": jnp.ones((1, 5))}, "step": 3})
+    path = jaxckpt.save(tmp_path / "c", {"net": {"w": jnp.full((1, 5), 0.5)}, "step": 3, "n": np.arange(3)})
     with pytest.raises(jaxckpt.MismatchError, match=r"'net/w'.*float32 array of shape \(1, 5\).*shape \(2, 5\)"):
-        jaxckpt.restore(path, like={"net": {"w": jnp.ones((2, 5))}, "step": 0})
-    with pytest.raises(jaxckpt.MismatchError, match=r"'net/w'.*expects a int32 array.*never across kinds"):
-        jaxckpt.restore(path, like={"net": {"w": jnp.ones((1, 5), jnp.int32)}, "step": 0})
+        jaxckpt.restore(path, like={"net": {"w": jnp.ones((2, 5))}, "step": 0, "n": np.arange(3)})
+    with pytest.raises(jaxckpt.MismatchError, match=r"'net/w' as int32.*not whole numbers \(such as 0\.5\)"):
+        jaxckpt.restore(path, like={"net": {"w": jnp.ones((1, 5), jnp.int32)}, "step": 0, "n": np.arange(3)})
+    with pytest.raises(jaxckpt.MismatchError, match=r"'n'.*expects a float32 array.*across kinds"):
+        jaxckpt.restore(path, like={"net": {"w": jnp.ones((1, 5))}, "step": 0, "n": np.zeros(3, np.float32)})
     with pytest.raises(jaxckpt.MismatchError, match=r"'step'.*Python int \(3\).*Python str"):
-        jaxckpt.restore(path, like={"net": {"w": jnp.ones((1, 5))}, "step": "x"})
+        jaxckpt.restore(path, like={"net": {"w": jnp.ones((1, 5))}, "step": "x", "n": np.arange(3)})
 
 
 def test_save_refuses_to_overwrite_unless_asked(tmp_path):

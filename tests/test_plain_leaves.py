@@ -63,7 +63,7 @@ def test_mixed_tree_restores_as_before(tmp_path):
     "template, message",
     [
         (jax.ShapeDtypeStruct((17,), jnp.float32), "shape"),
-        (jax.ShapeDtypeStruct((16,), jnp.int32), "never across kinds"),
+        (jax.ShapeDtypeStruct((16,), jnp.bool_), "bool"),
         (jax.eval_shape(lambda: jax.random.key(0)), "key"),
     ],
 )
