@@ -166,7 +166,7 @@ def test_a_kill_while_deleting_leaves_only_the_kept_checkpoints(directory, hook,
     for step, path in zip((2, 3), kept):
         _check_whole(path, step)
     left = locations.location(directory) / "ckpt-1"
-    assert not locations.is_checkpoint(left) or retention.is_marked(left)
+    assert not locations.is_checkpoint(left) or statefile.is_marked(left)
     # The next manager lists exactly the kept ones, removes the rest, and goes on.
     ckpt = _ckpt()
     with jaxckpt.CheckpointManager(ckpt, directory, max_to_keep=2, step_counter="step") as manager:

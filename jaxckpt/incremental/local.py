@@ -7,7 +7,7 @@ that a restore of one of its checkpoints returned, still holds those values. Res
 ``ckpt.restore(manager.latest_checkpoint)``, ``jaxckpt.restore``, a child assigned later) only a
 checkpoint directly in a live manager's directory (one elsewhere is never linked from: another
 program may rewrite its files in place). :class:`Memory` (one per manager tier, per process)
-remembers, for each array of its own (:func:`jaxckpt.incremental.memories.arrays_of_their_own`) of the last save or restore, a weak
+remembers, for each array of its own (:func:`jaxckpt.saving.reuse.arrays_of_their_own`) of the last save or restore, a weak
 reference to it (never a strong one: that would pin its device memory) and where this process's
 shards of it are on disk: each file and the CRC-32C of its inner chunks (from the save that wrote
 them, or the restored checkpoint's ``checksums.json``). At the next save a leaf that ``is`` such an
@@ -368,12 +368,11 @@ def _same_content(views: list[memoryview], shard: Shard) -> int | None:
             return None
         offset = 0
         for view, crc in zip(views, shard.crcs):
-            size = len(view) + CRC
-            if os.preadv(fd, [buffer.data[:size]], offset) != size or not _equal(buffer[: len(view)], view):
+            if os.preadv(fd, [buffer.data[:stored]], offset) != stored or not _equal(buffer[: len(view)], view):
                 return None
-            if bytes(buffer[len(view) : size]) != struct.pack("<I", crc):
+            if bytes(buffer[len(view) : stored]) != struct.pack("<I", crc):
                 return None
-            offset += size
+            offset += stored
         return inode
     except OSError:
         return None

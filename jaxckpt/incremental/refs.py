@@ -133,14 +133,13 @@ def uses_of(checkpoint: locations.Location, ours: Callable[[str], bool] | None =
     return tuple(sorted(n for n in names if accepted(n)))
 
 
-def prune(target: locations.Location, users: Sequence[locations.Location], name: str | None = None) -> None:
+def prune(target: locations.Location, users: Sequence[locations.Location]) -> None:
     """Remove every file or object of ``target`` (no longer a checkpoint: its index is gone) but the
     arrays that ``users`` refer to, their data stores' checksums and the mark that it was dropped
     (:data:`jaxckpt.storage.statefile.UNRECORDED`, the proof that it is this manager's to delete).
-    ``name``: the name the users' references give it (``target``'s own by default). A user's
-    references that cannot be read keep everything (the next deletion or start-up tries again).
+    A user's references that cannot be read keep everything (the next deletion or start-up tries again).
     Local folders and buckets alike: a run moved from one to the other keeps its held data."""
-    name = target.name if name is None else name
+    name = target.name
     held: set[tuple[str, str]] = set()
     for user in users:
         for store in locations.children(user):
@@ -152,7 +151,7 @@ def prune(target: locations.Location, users: Sequence[locations.Location], name:
             except (JaxckptError, OSError):
                 return
             held.update((r.store, r.array) for r in refs.values() if r.checkpoint == name)
-    if not held and not _dropped(target):
+    if not held and not statefile.is_marked(target):
         return  # nothing of it is held for them and no mark proves it this manager's: not touched
     _mark(target)  # held data carries the mark, which proves it this manager's to delete once unused
     stores = {s for s, _ in held}
@@ -179,16 +178,9 @@ def prune(target: locations.Location, users: Sequence[locations.Location], name:
                 os.rmdir(folder)
 
 
-def _dropped(target: locations.Location) -> bool:
-    """Whether ``target`` holds the mark that retention puts on what it drops (local or bucket)."""
-    if target.local is not None:
-        return statefile.is_marked(target)
-    return kvstore.kv_exceeds(target.spec(), statefile.UNRECORDED, 0) is not None
-
-
 def _mark(target: locations.Location) -> None:
-    """Put retention's mark on ``target`` where it is not there yet (see :func:`_dropped`)."""
-    if _dropped(target):
+    """Put retention's mark on ``target`` where it is not there yet."""
+    if statefile.is_marked(target):
         return
     if target.local is not None:
         (target.local / statefile.UNRECORDED).touch()

@@ -124,13 +124,6 @@ def mark_dropped(checkpoint: locations.Location) -> None:
         kvstore.kv_write(checkpoint.spec(), statefile.UNRECORDED, b"dropped by retention; being deleted\n")
 
 
-def is_marked(checkpoint: locations.Location) -> bool:
-    """Whether ``checkpoint`` holds the mark :data:`jaxckpt.storage.statefile.UNRECORDED` (local or bucket)."""
-    if checkpoint.local is not None:
-        return statefile.is_marked(checkpoint)
-    return kvstore.kv_exceeds(checkpoint.spec(), statefile.UNRECORDED, 0) is not None  # at most 1 byte fetched
-
-
 def _clear_mark(checkpoint: locations.Location) -> None:
     try:
         if checkpoint.local is not None:
@@ -264,7 +257,7 @@ def provably_held(path: locations.Location) -> bool:
     to delete: retention marked it when it dropped the checkpoint (the mark stays with held data, see
     :func:`jaxckpt.incremental.refs.prune`). A name that only a state file's ``uses`` gives is no proof."""
     try:
-        return not locations.is_symlink(path) and is_marked(path)
+        return not locations.is_symlink(path) and statefile.is_marked(path)
     except (OSError, JaxckptError):
         return False
 

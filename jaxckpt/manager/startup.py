@@ -69,7 +69,7 @@ def _unlisted_checkpoints(
         checkpoint = folder / name
         if not locations.is_checkpoint(checkpoint):
             continue  # incomplete: remove_leftovers removes it
-        if _retention.is_marked(checkpoint):
+        if statefile.is_marked(checkpoint):
             continue  # an interrupted save, or a deletion by retention (in a bucket too): garbage
         when = options.clock()
         if checkpoint.local is not None:

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
 from jaxckpt._errors import CheckpointFormatError, JaxckptError, UnsupportedVersionError
-from jaxckpt.storage import locations
+from jaxckpt.storage import kvstore, locations
 from jaxckpt.storage.locations import PathLike
 
 STATE_FILE = "checkpoint"
@@ -246,9 +246,12 @@ def mark_unrecorded(staging: locations.Location) -> None:
 
 
 def is_marked(checkpoint: locations.Location) -> bool:
-    """Whether the local ``checkpoint`` holds the mark :data:`UNRECORDED` (any entry of that name, a
-    symlink included, whatever it points to)."""
-    return checkpoint.local is not None and os.path.lexists(checkpoint.local / UNRECORDED)
+    """Whether ``checkpoint`` holds the mark :data:`UNRECORDED`: locally any entry of that name, a
+    symlink included, whatever it points to; in a bucket an object of that name (one request, at most
+    one byte fetched)."""
+    if checkpoint.local is not None:
+        return os.path.lexists(checkpoint.local / UNRECORDED)
+    return kvstore.kv_exceeds(checkpoint.spec(), UNRECORDED, 0) is not None
 
 
 def clear_unrecorded(checkpoint: locations.Location) -> None:
