@@ -62,7 +62,7 @@ from jaxckpt.format.records import DATA_DIR, NUMPY, ArrayLeaf, InArray, data_sto
 from jaxckpt.incremental import memories
 from jaxckpt.saving.pipeline import grouped_shards
 from jaxckpt.saving.reuse import Linked
-from jaxckpt.saving.snapshot import owners, process_of, region, whole
+from jaxckpt.saving.snapshot import held_boxes, owners, process_of, region, whole
 from jaxckpt.storage.local_files import aligned_empty, crc32c_of
 from jaxckpt.storage.locations import Location
 
@@ -110,8 +110,7 @@ def plan(x: jax.Array, me: int, own_copy: bool) -> tuple[tuple[int, ...], dict[t
     shards = [max(b - a for a, b in dims) for dims in zip(*owned)] if shape else []
     chunks = tuple(store_write.chunk_shape(shape, shards, np.dtype(x.dtype).itemsize))
     if own_copy:  # every region held here, in the store of the process that owns it
-        held = {region(s.index, shape) for s in x.addressable_shards}
-        boxes = [(box, data_store(process_of(owned[box]))) for box in held]
+        boxes = [(box, data_store(process_of(device))) for box, device, _ in held_boxes(x, owned)]
     else:
         here = {s.device for s in x.addressable_shards}
         boxes = [(box, data_store(me)) for box, d in owned.items() if d in here and process_of(d) == me]

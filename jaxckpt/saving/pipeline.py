@@ -38,7 +38,16 @@ from jaxckpt.runtime import multihost
 from jaxckpt.saving import process_states
 from jaxckpt.saving import staging as _staging
 from jaxckpt.saving.reuse import Linked, Reuse, arrays_of_their_own
-from jaxckpt.saving.snapshot import Deferred, Taker, check_live_and_copy, own_copy_parts, process_of, take_leaves, whole
+from jaxckpt.saving.snapshot import (
+    Deferred,
+    Taker,
+    check_live_and_copy,
+    own_copy_parts,
+    process_of,
+    take_leaves,
+    whole,
+    write_sharding,
+)
 from jaxckpt.saving.snapshot import owners as _owners
 from jaxckpt.saving.snapshot import region as _region
 from jaxckpt.storage import locations, statefile
@@ -92,8 +101,10 @@ def _layout(
 ) -> Layout | None:
     """The layout (mesh and partition spec) that gives exactly these owners' regions, or None when
     the sharding has none (not a NamedSharding, uneven shards, an unusual spec): its regions are then
-    listed. ``meshes`` maps id(jax mesh) -> (mesh, MeshRecord), shared by the arrays of one save."""
-    sharding = x.sharding
+    listed. ``meshes`` maps id(jax mesh) -> (mesh, MeshRecord), shared by the arrays of one save.
+    The sharding is the one the save writes: for an array replicated over processes, the finer one
+    that spreads its writes (:func:`jaxckpt.saving.snapshot.write_sharding`)."""
+    sharding = write_sharding(x)
     if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
         return None
     mesh = sharding.mesh

@@ -22,6 +22,7 @@ from jaxckpt._errors import UnsupportedValueError
 from jaxckpt.arrays import store_write
 from jaxckpt.format.keys import describe
 from jaxckpt.format.records import DATA_DIR, JAX, NUMPY, NUMPY_SCALAR, ValueLeaf, data_store, dtype_name
+from jaxckpt.runtime.spread import spread
 from jaxckpt.tree.objects import is_state_object, not_utf8
 
 # An array's host data is taken in Taker.finish, after every device-to-host copy has started.
@@ -151,17 +152,24 @@ def region(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int,
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
+def write_sharding(x: jax.Array | jax.ShapeDtypeStruct) -> jax.sharding.Sharding:
+    """The sharding whose regions a save writes of ``x``: its own, or where it is replicated over
+    processes, the finer one that gives each process an equal share (:func:`jaxckpt.runtime.spread.spread`)."""
+    return spread(x.sharding, tuple(x.shape), np.dtype(x.dtype).itemsize) or x.sharding
+
+
 def owners(x: Any) -> dict[tuple[tuple[int, int], ...], Any]:
     """Each region (shard) of ``x`` -> the device that writes it: the first to hold it, in the
-    sharding's device order, which every process sees alike. Host data belongs to process 0.
-    ``x`` may also be the stand-in of a taken array (:meth:`Taker._take_host`)."""
+    order of the sharding that the save writes (:func:`write_sharding`), which every process sees
+    alike. Host data belongs to process 0. ``x`` may also be the stand-in of a taken array
+    (:meth:`Taker._take_host`)."""
     if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or x.sharding is None:
         return {tuple((0, n) for n in np.shape(x)): None}
     devices = x.sharding.device_set
     if len(devices) == 1:  # the common case, and the cost of 10,000 small leaves: no index map
         return {tuple((0, n) for n in x.shape): next(iter(devices))}
     found: dict[tuple[tuple[int, int], ...], Any] = {}
-    for device, index in x.sharding.devices_indices_map(x.shape).items():
+    for device, index in write_sharding(x).devices_indices_map(x.shape).items():
         found.setdefault(region(index, x.shape), device)
     return found
 
@@ -170,27 +178,68 @@ def process_of(device: Any) -> int:
     return 0 if device is None else device.process_index
 
 
+def _within(box: tuple[tuple[int, int], ...], shard: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], Any]:
+    """The region ``box`` of the array, from the addressable ``shard`` that holds it: (its index in
+    the array, its host data), a view of the shard's (on CPU, of its buffer)."""
+    data = np.asarray(shard.data)
+    base = region(shard.index, shape)
+    if box == base:
+        return shard.index, data
+    return tuple(slice(lo, hi) for lo, hi in box), data[
+        tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(box, base))
+    ]
+
+
+def _holders(x: jax.Array) -> dict[tuple[tuple[int, int], ...], Any]:
+    """Each region that a device of this process holds under ``x``'s sharding -> its first shard here."""
+    out: dict[tuple[tuple[int, int], ...], Any] = {}
+    for s in x.addressable_shards:
+        out.setdefault(region(s.index, x.shape), s)
+    return out
+
+
+def _inside(box: tuple[tuple[int, int], ...], holders: dict[tuple[tuple[int, int], ...], Any]) -> Any:
+    """The shard here whose region holds ``box`` (an owner's region lies inside one), or None."""
+    for r, s in holders.items():
+        if all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(box, r)):
+            return s
+    return None
+
+
 def snapshot_parts(x: jax.Array, owned: dict[tuple[tuple[int, int], ...], Any]) -> tuple[Parts, int]:
     """Host data of the regions of ``x`` that this process owns: ([(region, data)], bytes copied).
 
-    The shards on owning devices here. On CPU, ``np.asarray`` of a shard is a read-only view of its
-    buffer: no copy, and safe even when the train step donates the array right after, since XLA does
-    not reuse a buffer that a view holds. On an accelerator it is the device-to-host copy.
+    The shards on owning devices here (or the part of one that a spread save writes). On CPU,
+    ``np.asarray`` of a shard is a read-only view of its buffer: no copy, and safe even when the
+    train step donates the array right after, since XLA does not reuse a buffer that a view holds.
+    On an accelerator it is the device-to-host copy.
     """
-    parts = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if owned[region(s.index, x.shape)] == s.device]
+    here = {s.device: s for s in x.addressable_shards}
+    parts = [_within(box, here[d], x.shape) for box, d in owned.items() if d in here]
     return parts, 0 if on_cpu(x) else sum(d.nbytes for _, d in parts)
+
+
+def held_boxes(
+    x: jax.Array, owned: dict[tuple[tuple[int, int], ...], Any]
+) -> list[tuple[tuple[tuple[int, int], ...], Any, Any]]:
+    """Every region of ``owned`` that this process holds: (region, its owner, the shard here that
+    holds it)."""
+    holders = _holders(x)
+    finer = write_sharding(x) is not x.sharding  # a spread save's regions lie inside the shards
+    out = []
+    for box, device in owned.items():
+        shard = _inside(box, holders) if finer else holders.get(box)
+        if shard is not None:
+            out.append((box, device, shard))
+    return out
 
 
 def held_parts(x: jax.Array, owned: dict[tuple[tuple[int, int], ...], Any]) -> dict[str, Parts]:
     """An own copy's data: every region of ``x`` this process holds, once each, by the data store of
     the process that owns the region (the store the index names for it)."""
     out: dict[str, Parts] = {}
-    seen = set()
-    for s in x.addressable_shards:
-        r = region(s.index, x.shape)
-        if r not in seen:
-            seen.add(r)
-            out.setdefault(data_store(process_of(owned[r])), []).append((s.index, np.asarray(s.data)))
+    for box, device, shard in held_boxes(x, owned):
+        out.setdefault(data_store(process_of(device)), []).append(_within(box, shard, x.shape))
     return out
 
 
@@ -231,7 +280,10 @@ class Taker:
         is that of a jax.Array on one device): the cheapest snapshot there is, and the common case
         of many small leaves. ``not_arrays``: the keys of the leaves that are not jax's ArrayImpl,
         where known (:func:`jaxckpt.tree.structure.flatten_saved`): then the arrays are viewed in one pass."""
-        views = self._views(leaves, not_arrays) if not_arrays is not None and self.me == 0 else None
+        # With several processes, an array replicated over them has one buffer here too, which jax
+        # exports: a view of it would be taken as process 0's alone (see owners: such arrays are spread).
+        alone = jax.process_count() == 1
+        views = self._views(leaves, not_arrays) if not_arrays is not None and self.me == 0 and alone else None
         if views is not None:
             taken = dict(zip(leaves, views))
             for key in not_arrays or ():
@@ -242,7 +294,7 @@ class Taker:
         taken = {}
         by_id, local_cpu, dtypes, primary = self._by_id, self._local_cpu, self._dtypes, self.me == 0
         for key, x in leaves.items():
-            if isinstance(x, jax.Array) and primary:
+            if isinstance(x, jax.Array) and primary and (alone or x.is_fully_addressable):
                 view = dtypes.get(x.dtype)
                 if view is memoryview:  # jax exports only an array of one shard in host memory: no check needed
                     try:

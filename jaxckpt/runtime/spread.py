@@ -1,0 +1,81 @@
+"""Work spread over a pod: a region of an array that several processes hold is written by one of
+them and read by one of them, and each does an equal part.
+
+An array replicated over processes (a data-parallel state, or FSDP shards repeated across
+data-parallel groups) has regions that several processes hold. A save would have the first of them
+write each region, so process 0 would write every replicated byte; a restore would have each of them
+read it, so a state replicated on P processes would be read P times. :func:`spread` cuts such an
+array finer instead: a dimension is split further over the mesh axes that replicate it across
+processes, so that every slab is held by one process alone. A save writes each slab from the process
+that holds it (every process an equal share, recorded as a mesh and a partition spec: the index does
+not grow with the number of processes); a restore reads each slab on the process that holds it and
+moves the slabs to every process that needs them with one of JAX's own collectives (a resharding
+``jax.device_put`` over ``jax.distributed``).
+
+Stateless and the same on every process: it depends on the sharding and the shape alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+# Arrays of at most this many bytes are never spread: a save packs them (the local pack limit, see
+# jaxckpt.arrays.store_write.PACK_LEAF_LIMIT), and a collective per small array costs more than it saves.
+SPREAD_MIN_BYTES = 1 << 20
+
+
+def spread(sharding: Any, shape: tuple[int, ...], itemsize: int) -> jax.sharding.NamedSharding | None:
+    """A refinement of ``sharding`` for an array of ``shape`` in which the mesh axes that replicate
+    it across processes also split one dimension (the first that divides evenly), so that each
+    region is held by one process; None where there is nothing to spread (one process, a small
+    array, no such axes, no dimension that they divide, a sharding other than a NamedSharding).
+
+    Each region of the refinement lies inside the region the same device holds under ``sharding``.
+    """
+    if jax.process_count() == 1 or math.prod(shape) * itemsize <= SPREAD_MIN_BYTES:
+        return None
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
+        return None
+    return _spread(sharding, tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _spread(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...]) -> jax.sharding.NamedSharding | None:
+    mesh = sharding.mesh
+    if len(sharding.spec) > len(shape):
+        return None
+    spec: list[tuple[str, ...]] = []
+    for entry in (*sharding.spec, *[None] * (len(shape) - len(sharding.spec))):
+        if entry is None:
+            spec.append(())
+        elif isinstance(entry, str):
+            spec.append((entry,))
+        elif isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
+            spec.append(entry)
+        else:
+            return None  # PartitionSpec.UNCONSTRAINED and the like
+    used = {a for axes in spec for a in axes}
+    processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    across = tuple(
+        name
+        for i, name in enumerate(mesh.axis_names)
+        if name not in used and isinstance(name, str) and bool((processes != processes.take([0], axis=i)).any())
+    )
+    if not across:
+        return None
+    factor = math.prod(sizes[a] for a in across)
+    for d, n in enumerate(shape):
+        split = math.prod(sizes[a] for a in spec[d])
+        if n % (split * factor) == 0:
+            spec[d] = (*spec[d], *across)  # the new axes minor: each slab inside the device's region
+            entries = [axes[0] if len(axes) == 1 else (axes or None) for axes in spec]
+            return jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(*entries), memory_kind=sharding.memory_kind
+            )
+    return None
