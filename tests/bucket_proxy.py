@@ -6,6 +6,7 @@ network misbehaves. For the tests and for ``benchmarks/buckets.py``.
     proxy = BucketProxy("http://127.0.0.1:5000")   # the server's endpoint
     proxy.endpoint                                 # point the client here
     proxy.requests                                 # [("GET", "/bucket/run/index.json"), ...]
+    proxy.bytes_read, proxy.bytes_written          # bodies of answers to GETs, of PUTs and POSTs
     proxy.faults = lambda method, path: 503 if ... else None   # or "reset"
     proxy.close()
 """
@@ -36,6 +37,8 @@ class BucketProxy:
         self.faults = faults
         self.requests: list[tuple[str, str]] = []
         self.faulted: list[tuple[str, str, Fault]] = []
+        self.bytes_read = 0  # the bodies of the server's answers to GETs
+        self.bytes_written = 0  # the bodies of PUTs and POSTs forwarded
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _handler(self))
         # A short poll: close() waits for the serving loop to see the request to stop.
@@ -50,6 +53,7 @@ class BucketProxy:
         with self._lock:
             self.requests.clear()
             self.faulted.clear()
+            self.bytes_read = self.bytes_written = 0
 
     def count(self, method: str | None = None, contains: str = "") -> int:
         """How many requests were forwarded or faulted (of ``method``, with ``contains`` in the path)."""
@@ -66,6 +70,13 @@ class BucketProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _count(self, method: str, sent: int, received: int) -> None:
+        with self._lock:
+            if method in ("PUT", "POST"):
+                self.bytes_written += sent
+            elif method == "GET":
+                self.bytes_read += received
 
     def _record(self, method: str, path: str) -> Fault:
         with self._lock:
@@ -110,6 +121,7 @@ def _handler(proxy: BucketProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 return
             headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
             response, data = self._upstream_exchange(body, headers)
+            proxy._count(self.command, len(body), len(data))
             self.send_response(response.status, response.reason)
             head = self.command == "HEAD"  # its Content-Length is the object's, with no body
             for key, value in response.getheaders():

@@ -46,7 +46,7 @@ VALUES = {
     "xy": rng.standard_normal((64, 48)).astype(np.float32),  # 12 KB: packed only when process 0 owns all of it
     "rows": rng.standard_normal((512, 640)).astype(np.float32),  # 1.3 MB: its own zarr3 array
     "cols": rng.integers(0, 100, (16, 40_000)).astype(np.int32),
-    "replicated": rng.standard_normal((600, 600)).astype(np.float32),
+    "replicated": rng.standard_normal((1024, 640)).astype(np.float32),  # 2.6 MB: each process writes a part
     "small_replicated": np.arange(10, dtype=np.float32),
 }
 SPECS = {"xy": P("x", "y"), "rows": P("x"), "cols": P(None, "y"), "replicated": P(), "small_replicated": P()}
@@ -255,7 +255,7 @@ elif mode == "manager-start-fail":  # process 1's manager fails to start; proces
     try:
         jaxckpt.CheckpointManager(jaxckpt.Checkpoint(state=state()), path, max_to_keep=1)
     except Exception as e:
-        expected = "process 1 lost its disk" if pid == 1 else "Process 1 could not start its manager"
+        expected = "process 1 lost its disk" if pid == 1 else "Process 1 failed in starting its manager"
         assert expected in str(e), e
     else:
         raise AssertionError("the manager started although process 1's did not")

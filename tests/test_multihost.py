@@ -115,13 +115,15 @@ def test_two_processes_write_one_checkpoint_each_its_own_shards(saved_by_two):
         "data": [[(0, 256), (0, 640)]],
         "data.p1": [[(256, 512), (0, 640)]],
     }
-    # Replicated over both processes (1.4 MB): each writes half, split by the axis that replicates it
+    # Replicated over both processes (2.6 MB): each writes half, split by the axis that replicates it
     # across processes (x), recorded as a spec like any other (issue 43).
     assert index["leaves"]["state/replicated"]["at"]["spec"] == [["x"], None]
-    assert records.regions(parsed["state/replicated"].at, (600, 600)) == {
-        "data": [[(0, 300), (0, 600)]],
-        "data.p1": [[(300, 600), (0, 600)]],
+    assert records.regions(parsed["state/replicated"].at, (1024, 640)) == {
+        "data": [[(0, 512), (0, 640)]],
+        "data.p1": [[(512, 1024), (0, 640)]],
     }
+    # "cols" is split by y, within each process: process 0 holds all of it and writes it whole.
+    assert "spec" not in index["leaves"]["state/cols"]["at"]
     assert "pack" in index["leaves"]["state/small_replicated"]["at"]
     assert index["leaves"]["state/xy"]["at"]["spec"] == [["x"], ["y"]]  # small but sharded over processes: not packed
 
@@ -161,12 +163,15 @@ def test_eight_processes_of_one_device_save_and_two_of_four_restore(tmp_path):
     results = run("restore", path, nproc=2, ndev=4, mesh="4x2")
     ok(results, "restore")
     # Process 0 holds mesh rows 0-1 (written by processes 0-3), process 1 rows 2-3 (processes 4-7);
-    # "cols" and "replicated" were written in eighths, one by each process (split further by the axes
-    # that replicate them), and each restoring process needs all of them: every store.
-    assert stores_opened(results) == [{"data", *(f"data.p{i}" for i in range(1, 8))}] * 2
+    # "cols" (split by y only) was written by processes 0 and 1, and so was "replicated": in halves
+    # split by y (eighths or quarters would be slabs under 1 MiB).
+    assert stores_opened(results) == [
+        {"data", "data.p1", "data.p2", "data.p3"},
+        {"data", "data.p1", "data.p4", "data.p5", "data.p6", "data.p7"},
+    ]
     index = json.loads((path / "index.json").read_text())
-    assert index["leaves"]["state/cols"]["at"]["spec"] == [["x"], ["y"]]
-    assert index["leaves"]["state/replicated"]["at"]["spec"] == [["x", "y"], None]
+    assert index["leaves"]["state/cols"]["at"]["spec"] == [None, ["y"]]
+    assert index["leaves"]["state/replicated"]["at"]["spec"] == [["y"], None]
 
 
 def test_manager_across_processes(tmp_path):
@@ -193,9 +198,9 @@ def test_incremental_saves_across_processes_link_each_process_s_own_shards(tmp_p
         ]
         assert files[0] and all(f.keys() == files[0].keys() for f in files), (key, files)
         stores = {name.split("/")[0] for name in files[0]}
-        # each process writes its part: "cols" and "replicated" are split further by the axis that
-        # replicates them across processes (x), so that neither process writes more than the other
-        assert stores == {"data", "data.p1"}, (key, stores)
+        # each process writes its part: "replicated" is split further by the axis that replicates it
+        # across processes (x); "cols" is not (its halves would be under 1 MiB): process 0 writes it
+        assert stores == ({"data"} if key == "state/cols" else {"data", "data.p1"}), (key, stores)
         for name, first in files[0].items():  # written once, by the process that owns the shard
             assert all(f[name].st_ino == first.st_ino for f in files[1:]) and first.st_nlink == 3, (key, name)
     rng = np.random.default_rng(7)  # the worker's values
@@ -203,7 +208,7 @@ def test_incremental_saves_across_processes_link_each_process_s_own_shards(tmp_p
         "xy": rng.standard_normal((64, 48)).astype(np.float32),
         "rows": rng.standard_normal((512, 640)).astype(np.float32),
         "cols": rng.integers(0, 100, (16, 40_000)).astype(np.int32),
-        "replicated": rng.standard_normal((600, 600)).astype(np.float32),
+        "replicated": rng.standard_normal((1024, 640)).astype(np.float32),
     }
     for n in names:
         restored = jaxckpt.restore(tmp_path / n)
@@ -222,9 +227,9 @@ def test_incremental_saves_across_processes_on_a_bucket_refer_to_each_process_s_
         where = locations.location(f"{s3}/{n}")
         index = json.loads(locations.read_file(where, "index.json"))
         assert index["version"] == 6, n
-        # "rows" and "xy" are sharded over both processes: arrays of their own, however small; "cols"
-        # and "replicated" (over 1 MiB) are written half by each process, so each refers to its half
-        arrays = {index["leaves"][f"state/{k}"]["at"]["array"] for k in ("rows", "xy", "cols", "replicated")}
+        # "rows" and "xy" are sharded over both processes: arrays of their own, however small;
+        # "replicated" is written half by each process, so each refers to its half
+        arrays = {index["leaves"][f"state/{k}"]["at"]["array"] for k in ("rows", "xy", "replicated")}
         for store in ("data", "data.p1"):  # each process's shards, referred to by that process
             refs = refs_json.decode(locations.read_file(where, f"{store}/refs.json"), "", None)
             assert set(refs) == arrays, (n, store)

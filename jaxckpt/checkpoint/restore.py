@@ -247,7 +247,14 @@ def mapped(opened: Opened, key_map: KeyMap) -> ForeignOpened:
 
 
 @gc_paused
-def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, key_map: KeyMap | None = None) -> Any:
+def restore(
+    path: PathLike,
+    like: Any = NO_TEMPLATE,
+    *,
+    partial: bool = False,
+    key_map: KeyMap | None = None,
+    share_reads: bool | None = None,
+) -> Any:
     """Restore the checkpoint at ``path``.
 
     With ``like`` (what you hold now), values come back with its structure, container types, dtypes
@@ -272,7 +279,14 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
             return key.replace(".", "/"), value
 
         jaxckpt.restore("model.safetensors", like=model, key_map=hf_to_nnx, partial=True)
+
+    With several processes (``jax.distributed``), an array that several of them need (replicated
+    over processes) is read once: each process reads an equal part and JAX's collectives bring the
+    rest. jaxckpt does so for checkpoints in buckets, not on local paths; ``share_reads=True`` or
+    ``False`` forces either (``JAXCKPT_SHARE_READS`` does for every restore). See the sharding guide.
     """
+    if share_reads is not None and not isinstance(share_reads, bool):
+        raise TypeError(f"share_reads must be True, False or None (jaxckpt chooses), not {share_reads!r}.")
     if path is None:  # what latest_checkpoint returns for a directory without checkpoints
         raise CheckpointNotFoundError(
             "restore(None): there is no checkpoint to restore. jaxckpt.latest_checkpoint returns None when a "
@@ -282,6 +296,8 @@ def restore(path: PathLike, like: Any = NO_TEMPLATE, *, partial: bool = False, k
     where = locations.location(path)
     for retries_left in range(REREADS, -1, -1):
         opened = open_latest(where)
+        if isinstance(opened, Opened):
+            opened.share_reads = share_reads
         try:
             with opened:
                 return _restore_from(opened, like, partial, key_map)

@@ -37,6 +37,7 @@ from jaxckpt.format.keys import describe
 from jaxckpt.format.records import DATA_DIR, INDEX_FILE, ArrayLeaf, Box, InArray, Index, InForeign, InPack, Leaf
 from jaxckpt.interop import formats as _formats
 from jaxckpt.reading import refs as _refs
+from jaxckpt.reading import shared
 from jaxckpt.reading.read_plan import (
     Assembly,
     Region,
@@ -73,6 +74,7 @@ class _ArrayRead(NamedTuple):
     sharding: jax.sharding.Sharding | None  # None: read whole, kept on the host
     devices: dict[Any, Region]  # with a sharding: each device here -> the region it holds
     regions: dict[RegionKey, RegionPlan]
+    final: jax.sharding.Sharding | None = None  # read in a finer sharding, shared, then moved here
 
 
 def _in_store(leaf: ArrayLeaf) -> InArray | InPack:
@@ -114,6 +116,7 @@ class Opened:
         self._checksums_limit: int | None = None
         self._stored_bytes: dict[str, int] = {}  # per data store, for _check_backed
         self.check_zarr_json = False  # see store_read.Reader.check_zarr_json; set before any read
+        self.share_reads: bool | None = None  # see jaxckpt.reading.shared.enabled; set before any read
 
     def _pin_and_read_index(self) -> tuple[zarr_local.PinnedFolder | None, bytes]:
         """The folder held open, and its index. Opened just as an overwriting save swapped it out, the
@@ -185,6 +188,7 @@ class Opened:
             raise
         if after_read is not None:  # before placing arrays, which may take every process (collectives)
             after_read(None)
+        data = shared.place(data)  # every process read its part (they agreed in _read)
         out: dict[str, Any] = {}
         to_device: list[tuple[str, np.ndarray, jax.sharding.Sharding | None]] = []
         for (key, template), leaf, target, value in zip(wanted.items(), leaves, targets, data):
@@ -256,15 +260,26 @@ class Opened:
                     arrays[key] = (i, leaf, at)
         values: list[Any] = [None] * len(leaves)
         with self._unless_gone():
-            reads = self._plan_arrays({k: (leaf, at, wanted[k]) for k, (_, leaf, at) in arrays.items()})
-            needed = stores_in(plan for read in reads.values() for plan in read.regions.values())
-            plans = {k: list(read.regions.values()) for k, read in reads.items()}
-            backed = [(k, leaf) for k, (_, leaf, _) in arrays.items()] + [e[1:3] for p in packed.values() for e in p]
-            self._check_backed(backed, needed, plans)
-            for pack, in_pack in packed.items():
-                self._read_packed(pack, in_pack, values)
-            for k, value in self._read_arrays({k: wanted[k] for k in arrays}, reads).items():
-                values[arrays[k][0]] = value
+            share = shared.enabled(self.location, self.share_reads) and bool(arrays)
+            reads = self._plan_arrays({k: (leaf, at, wanted[k]) for k, (_, leaf, at) in arrays.items()}, share)
+            sharing = any(read.final is not None for read in reads.values())  # alike on every process
+            try:
+                needed = stores_in(plan for read in reads.values() for plan in read.regions.values())
+                plans = {k: list(read.regions.values()) for k, read in reads.items()}
+                backed = [(k, leaf) for k, (_, leaf, _) in arrays.items()] + [
+                    e[1:3] for p in packed.values() for e in p
+                ]
+                self._check_backed(backed, needed, plans)
+                for pack, in_pack in packed.items():
+                    self._read_packed(pack, in_pack, values)
+                for k, value in self._read_arrays({k: wanted[k] for k in arrays}, reads).items():
+                    values[arrays[k][0]] = value
+            except BaseException as e:
+                if sharing:
+                    shared.agree(e)
+                raise
+            if sharing:
+                shared.agree(None)
         return values
 
     @property
@@ -427,12 +442,15 @@ class Opened:
         return self._checksums[store]
 
     @staticmethod
-    def _plan_arrays(wanted: Mapping[str, tuple[ArrayLeaf, InArray, Any]]) -> dict[str, _ArrayRead]:
+    def _plan_arrays(wanted: Mapping[str, tuple[ArrayLeaf, InArray, Any]], share: bool) -> dict[str, _ArrayRead]:
         """For each array ``{key: (leaf, at, template)}``, which regions are read (those its target's
-        devices here hold, or all of it) and the parts of each."""
+        devices here hold, or all of it; when sharing, those of the finer sharding that has each
+        region held by one process) and the parts of each."""
         out = {}
         for key, (leaf, at, template) in wanted.items():
             sharding = None if leaf.prng_impl else target_sharding(template, key)
+            finer = shared.read_sharding(sharding, leaf.shape, leaf.dtype.itemsize) if share else None
+            final, sharding = (sharding, finer) if finer is not None else (None, sharding)
             devices: dict[Any, Region] = {}
             if sharding is None:
                 regions: dict[RegionKey, Region] = {(): tuple(slice(None) for _ in leaf.shape)}
@@ -442,7 +460,7 @@ class Opened:
                 }
                 regions = {region_key(i): i for i in devices.values()}
             plans = {h: plan_region(at, leaf.shape, index) for h, index in regions.items()}
-            out[key] = _ArrayRead(leaf, at, sharding, devices, plans)
+            out[key] = _ArrayRead(leaf, at, sharding, devices, plans, final)
         return out
 
     def _read_arrays(self, wanted: Mapping[str, Any], reads: Mapping[str, _ArrayRead]) -> dict[str, Any]:
@@ -470,6 +488,8 @@ class Opened:
             else:
                 arrays = jax.device_put([host[region_key(i)] for i in read.devices.values()], list(read.devices))
                 out[key] = jax.make_array_from_single_device_arrays(leaf.shape, read.sharding, arrays)
+                if read.final is not None:
+                    out[key] = shared.Shared(out[key], read.final)
             del host  # the buffers now belong to the jax arrays (aliased on CPU), or are garbage
         return out
 

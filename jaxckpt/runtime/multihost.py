@@ -217,25 +217,31 @@ def gather(name: str, value: str) -> list[str]:
     return [_get(f"jaxckpt/gather/{name}/{p}", f"the agreement {name!r}", p) for p in range(process_count())]
 
 
-_starts = itertools.count()  # numbers the start-up agreements alike on every process (in call order)
+_outcomes: dict[str, itertools.count[int]] = {}  # numbers each kind of agreement alike on every process (in call order)
 
 
-def started(what: str, error: BaseException | None) -> None:
-    """Every process says whether its ``what`` (a manager) started: ``error`` is its own failure, which
-    its caller raises after this returns. A process whose start succeeded raises a JaxckptError naming
-    the first process whose start failed, and its error, at once; without this it would go on and wait
-    for that process at its first save until :func:`timeout_ms`. With one process, nothing to do."""
+def outcome(kind: str, what: str, error: BaseException | None) -> None:
+    """Every process says whether its ``what`` succeeded: ``error`` is its own failure, which its
+    caller raises after this returns. A process whose part succeeded raises a JaxckptError naming
+    the first process whose part failed, and its error, at once: without this it would go on and wait
+    for that process in the next agreement (or collective) until :func:`timeout_ms`. With one process,
+    nothing to do. Agreements of one ``kind`` are numbered in call order, alike on every process."""
     if process_count() == 1:
         return
     said = "" if error is None else f"{type(error).__name__}: {error}"[:2000]
-    answers = gather(f"start/{next(_starts)}", said)
+    answers = gather(f"{kind}/{next(_outcomes.setdefault(kind, itertools.count()))}", said)
     failed = [(p, answer) for p, answer in enumerate(answers) if answer]
     if error is None and failed:
         p, answer = failed[0]
         raise JaxckptError(
-            f"Process {p} could not start its {what}, so this one cannot work with it either: {answer} "
-            f"(every process starts its manager together; see process {p}'s log)."
+            f"Process {p} failed in {what}, so this one cannot go on with it either: {answer} "
+            f"(every process raises at the same call; see process {p}'s log)."
         )
+
+
+def started(what: str, error: BaseException | None) -> None:
+    """Every process says whether its ``what`` (a manager) started (see :func:`outcome`)."""
+    outcome("start", f"starting its {what}", error)
 
 
 def to_primary(name: str, value: str) -> list[str] | None:

@@ -18,15 +18,18 @@ Stateless and the same on every process: it depends on the sharding and the shap
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
 import jax
 import numpy as np
 
-# Arrays of at most this many bytes are never spread: a save packs them (the local pack limit, see
-# jaxckpt.arrays.store_write.PACK_LEAF_LIMIT), and a collective per small array costs more than it saves.
-SPREAD_MIN_BYTES = 1 << 20
+# No slab is smaller than this: a save would write many small files or objects (a pod of 256 processes
+# would cut a 2 MiB array into objects of 8 KiB), and a restore would pay a request for each. So an
+# array of up to twice this size is never spread (a save packs those of up to 1 MiB, see
+# jaxckpt.arrays.store_write.PACK_LEAF_LIMIT), and a larger one over as many processes as this allows.
+MIN_SLAB_BYTES = 1 << 20
 
 
 def spread(sharding: Any, shape: tuple[int, ...], itemsize: int) -> jax.sharding.NamedSharding | None:
@@ -34,18 +37,23 @@ def spread(sharding: Any, shape: tuple[int, ...], itemsize: int) -> jax.sharding
     it across processes also split one dimension (the first that divides evenly), so that each
     region is held by one process; None where there is nothing to spread (one process, a small
     array, no such axes, no dimension that they divide, a sharding other than a NamedSharding).
+    Where slabs over all those axes would be smaller than :data:`MIN_SLAB_BYTES`, the largest set
+    of them that keeps slabs at least that large is used (then a slab may be held by several).
 
     Each region of the refinement lies inside the region the same device holds under ``sharding``.
     """
-    if jax.process_count() == 1 or math.prod(shape) * itemsize <= SPREAD_MIN_BYTES:
+    nbytes = math.prod(shape) * itemsize
+    if jax.process_count() == 1 or nbytes < 2 * MIN_SLAB_BYTES:
         return None
     if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
         return None
-    return _spread(sharding, tuple(shape))
+    return _spread(sharding, tuple(shape), nbytes)
 
 
 @functools.lru_cache(maxsize=4096)
-def _spread(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...]) -> jax.sharding.NamedSharding | None:
+def _spread(
+    sharding: jax.sharding.NamedSharding, shape: tuple[int, ...], nbytes: int
+) -> jax.sharding.NamedSharding | None:
     mesh = sharding.mesh
     if len(sharding.spec) > len(shape):
         return None
@@ -69,13 +77,19 @@ def _spread(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...]) -> jax
     )
     if not across:
         return None
-    factor = math.prod(sizes[a] for a in across)
-    for d, n in enumerate(shape):
-        split = math.prod(sizes[a] for a in spec[d])
-        if n % (split * factor) == 0:
-            spec[d] = (*spec[d], *across)  # the new axes minor: each slab inside the device's region
-            entries = [axes[0] if len(axes) == 1 else (axes or None) for axes in spec]
-            return jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec(*entries), memory_kind=sharding.memory_kind
-            )
-    return None
+    shards = math.prod(sizes[a] for axes in spec for a in axes)  # the array's shards before the cut
+    best: tuple[int, int, tuple[str, ...]] | None = None  # (factor, dimension, axes): the largest factor
+    for subset in itertools.chain.from_iterable(itertools.combinations(across, k) for k in range(len(across), 0, -1)):
+        factor = math.prod(sizes[a] for a in subset)
+        if (best is not None and factor <= best[0]) or nbytes // (shards * factor) < MIN_SLAB_BYTES:
+            continue
+        for d, n in enumerate(shape):
+            if n % (math.prod(sizes[a] for a in spec[d]) * factor) == 0:
+                best = (factor, d, subset)
+                break
+    if best is None:
+        return None
+    _, d, subset = best
+    spec[d] = (*spec[d], *subset)  # the new axes minor: each slab inside the device's region
+    entries = [axes[0] if len(axes) == 1 else (axes or None) for axes in spec]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries), memory_kind=sharding.memory_kind)
