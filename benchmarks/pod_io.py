@@ -41,12 +41,23 @@ def _free_port() -> int:
 
 
 def run(
-    action: str, layout: str, url: str, moto_env: dict[str, str], *, nproc: int = 4, share: str = "auto", rows: int = 1024,
+    action: str,
+    layout: str,
+    url: str,
+    moto_env: dict[str, str],
+    *,
+    nproc: int = 4,
+    share: str = "auto",
+    rows: int = 1024,
     timeout: float = 300,
+    faults: dict[int, Any] | None = None,
+    failing: bool = False,
 ) -> list[dict[str, Any]]:
     """Start ``nproc`` workers, each through its own counting proxy to the bucket server; returns each
-    process's result: its wall time, and the bytes and requests its proxy saw."""
-    proxies = [bucket_proxy.BucketProxy(moto_env["AWS_ENDPOINT_URL"]) for _ in range(nproc)]
+    process's result: its wall time, and the bytes and requests its proxy saw. ``faults``: a process's
+    proxy's fault rule (see ``tests/bucket_proxy.py``). ``failing``: return each process's exit status
+    and output instead of raising when one fails."""
+    proxies = [bucket_proxy.BucketProxy(moto_env["AWS_ENDPOINT_URL"], (faults or {}).get(i)) for i in range(nproc)]
     port = _free_port()
     try:
         with tempfile.TemporaryDirectory(prefix="jaxckpt-pod-") as logs:
@@ -69,6 +80,8 @@ def run(
                 f.seek(0)
                 outputs.append(f.read())
                 f.close()
+        if failing:
+            return [{"returncode": p.returncode, "output": out} for p, out in zip(procs, outputs)]
         results = []
         for i, (p, out) in enumerate(zip(procs, outputs)):
             if p.returncode != 0 or "result " not in out:

@@ -6,7 +6,8 @@ start several, on ``jax.distributed`` with gloo collectives, one CPU device each
 ACTION: save | restore. LAYOUT: dp (every array replicated over all processes), fsdp (every array
 sharded over all of them), mix (two data-parallel groups of two FSDP shards: each array sharded over
 ``fsdp`` and replicated over ``data``; four processes). SHARE (restore): auto | on | off.
-``POD_ROWS`` sets the size (rows of 1,024 float32 in each of the four kernels; default 1,024: 4 MiB each).
+``POD_ROWS`` sets the size (rows of 1,024 float32 in each of the four kernels; default 1,024: 4 MiB each);
+``POD_RESTORE_LAYOUT`` restores onto another layout than the one saved.
 
 Every process builds the same values from a seed; a restore checks its own shards bit for bit. The
 last line printed is ``result {json}``: the process, the wall time of the call, and the values' bytes.
@@ -38,6 +39,8 @@ jaxckpt = import_jaxckpt()
 
 ROWS = int(os.environ.get("POD_ROWS", "1024"))
 devices = np.array(jax.devices())
+if action == "restore":
+    layout = os.environ.get("POD_RESTORE_LAYOUT") or layout
 if layout == "dp":
     mesh, spec = Mesh(devices.reshape(nproc), ("data",)), P()
 elif layout == "fsdp":

@@ -43,23 +43,17 @@ class Shared(NamedTuple):
 
 def enabled(location: locations.Location, setting: bool | None) -> bool:
     """Whether a restore of the checkpoint at ``location`` shares its reads (see the module's docstring)."""
-    if jax.process_count() == 1:
-        return False
     if setting is None:
         said = os.environ.get(SHARE_READS_ENV, "").strip().lower()
-        if said in _YES:
-            return True
-        if said in _NO:
-            return False
-        if said:
+        if said and said not in _YES + _NO:  # refused with one process too: a typo shows before the pod
             raise JaxckptError(
                 f"{SHARE_READS_ENV}={os.environ[SHARE_READS_ENV]!r} is neither on (1) nor off (0); "
                 "leave it unset for jaxckpt to choose (share reads from buckets)."
             )
-        return location.local is None
-    if not isinstance(setting, bool):
+        setting = (said in _YES) if said else location.local is None
+    elif not isinstance(setting, bool):
         raise TypeError(f"share_reads must be True, False or None (jaxckpt chooses), not {setting!r}.")
-    return setting
+    return setting and jax.process_count() > 1
 
 
 def read_sharding(sharding: Any, shape: tuple[int, ...], itemsize: int) -> jax.sharding.NamedSharding | None:
