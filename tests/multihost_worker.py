@@ -10,7 +10,9 @@ process has its own clock and metrics; all must keep what process 0 decided) | i
 process's data iterator state differs; each gets its own back) | tiers-save, tiers-restore (two tiers) | agree-alone (a wait for
 a process that never comes ends in an error) | tiers-start
 (process 0 takes over the durable folder while process 1 starts) | manager-start-fail (process 1's manager
-fails to start: both raise at once). MESH: e.g. 4x2 over all devices of all processes.
+fails to start: both raise at once) | stall-save (process 2 stops itself with SIGSTOP while it writes; the
+others must raise at the deadline, naming it and what it was doing) | write-fail (process 1's writes fail: every
+process raises, the step is listed nowhere, the next save works). MESH: e.g. 4x2 over all devices of all processes.
 Every process builds the same global values from a seed, and checks its own shards after a restore.
 """
 
@@ -279,6 +281,60 @@ elif mode == "agree-alone":  # process 1 never joins process 0's agreement (JAXC
         client.key_value_set("test/done", "1")
     else:
         client.blocking_key_value_get("test/done", 120_000)
+elif mode == "stall-save":  # JAXCKPT_BARRIER_TIMEOUT_S is short; the test kills process 2 afterwards
+    from jaxckpt.arrays import store_write as writes
+
+    if pid == 2:
+        real_flush = writes.Writer.flush
+
+        def stop_then_flush(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGSTOP)  # a hung host: it never comes back by itself
+            return real_flush(self, *args, **kwargs)
+
+        writes.Writer.flush = stop_then_flush
+    try:
+        jaxckpt.save(os.path.join(path, "stalled"), {"state": state()})
+    except jaxckpt.JaxckptError as e:
+        said = str(e)
+        assert "at barrier" in said and "for process 2, which never came" in said, said
+        assert "process 2 last said it was writing its part of save" in said, said
+        print(f"process {pid}: {said}", flush=True)
+    else:
+        raise AssertionError("the save went on without process 2")
+    assert not os.path.exists(os.path.join(path, "stalled")), "published without process 2"
+    print(f"process {pid}: {mode} ok", flush=True)
+    os._exit(0)  # process 2 is stopped: a shutdown would wait for it
+elif mode == "write-fail":
+    from jaxckpt.arrays import store_write as writes
+
+    if pid == 1:
+        real_flush, calls = writes.Writer.flush, []
+
+        def fail_first_flush(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError("process 1's disk failed")
+            return real_flush(self, *args, **kwargs)
+
+        writes.Writer.flush = fail_first_flush
+    ckpt = jaxckpt.Checkpoint(state=state())
+    with jaxckpt.CheckpointManager(ckpt, path, max_to_keep=2) as manager:
+        manager.save(step=1)  # asynchronous: the writes fail in the background
+        try:
+            manager.wait_until_finished()
+        except Exception as e:
+            expected = "process 1's disk failed" if pid == 1 else "Process 1 failed to write its part of this save"
+            assert expected in str(e), e
+        else:
+            raise AssertionError("the save of step 1 went on although process 1 could not write")
+        assert manager.latest_step() is None and manager.all_steps() == [], manager.all_steps()
+        manager.save(step=2)
+        manager.wait_until_finished()
+        assert manager.all_steps() == [2], manager.all_steps()
+    assert jaxckpt.latest_checkpoint(path) == os.path.join(path, "ckpt-2"), jaxckpt.latest_checkpoint(path)
+    restored = jaxckpt.restore(path)["state"]  # numpy, whole
+    for name, value in VALUES.items():
+        np.testing.assert_array_equal(restored[name], value, err_msg=name)
 elif mode == "tiers-start":  # process 0 takes over the durable folder while process 1 starts its manager
     # The order that a busy machine can give: process 1 writes a temp file in the durable folder, and
     # process 0's start-up lists and removes such leftovers before process 1 renames it. A non-primary

@@ -96,18 +96,30 @@ def copy_checkpoint(
     if me != 0:
         staging = _staging.staging_folder(dest, token)
     try:
-        data = (source / INDEX_FILE).read_bytes()
-        parsed = decode_index(data, str(source / INDEX_FILE)) if many or memory is not None else None
-        save = parsed.save if parsed is not None else None
-        refs = memory.refer(source, files, save) if memory is not None and dest.local is None and save else {}
-        links = memory.linkable(source, files, save) if memory is not None and dest.local is not None and save else {}
-        skipped = {f for store, arrays in refs.items() for a in arrays for f in files if f.startswith(f"{store}/{a}/")}
-        copied = [f for f in files if f not in skipped]
-        _copy_files(
-            source, staging, copied, pipeline.host_memory_budget() if budget is None else budget, on_file, links
-        )
-        for store, arrays in refs.items():
-            _kvstore.kv_write((staging / store).spec(), refs_json.REFS_FILE, refs_json.encode(save or "", arrays))
+        try:
+            data = (source / INDEX_FILE).read_bytes()
+            parsed = decode_index(data, str(source / INDEX_FILE)) if many or memory is not None else None
+            save = parsed.save if parsed is not None else None
+            refs = memory.refer(source, files, save) if memory is not None and dest.local is None and save else {}
+            links = (
+                memory.linkable(source, files, save) if memory is not None and dest.local is not None and save else {}
+            )
+            skipped = {
+                f for store, arrays in refs.items() for a in arrays for f in files if f.startswith(f"{store}/{a}/")
+            }
+            copied = [f for f in files if f not in skipped]
+            nbytes = sum(os.path.getsize(source / f) for f in copied)
+            multihost.phase(f"copying {len(copied)} files ({multihost.size(nbytes)}) to {dest.text}")
+            _copy_files(
+                source, staging, copied, pipeline.host_memory_budget() if budget is None else budget, on_file, links
+            )
+            for store, arrays in refs.items():
+                _kvstore.kv_write((staging / store).spec(), refs_json.REFS_FILE, refs_json.encode(save or "", arrays))
+        except BaseException as e:
+            _failed_to_copy(name, e)  # the others wait below for this one's part: come, and say why it failed
+            raise
+        # Every process's files are in place, or all raise (the deadline: this process's bytes, as its peers').
+        multihost.written(name, None, nbytes)
         uses = copy_memory.uses(refs)
         if many and memory is not None:  # every process's references, for the index and the state file
             uses = sorted({n for text in multihost.gather(f"{name}/refs", json.dumps(uses)) for n in json.loads(text)})
@@ -115,7 +127,6 @@ def copy_checkpoint(
         if uses and parsed is not None and not parsed.refs:
             parsed.refs = changed = True  # version 6 (jaxckpt.incremental.refs)
         index = encode_index(parsed) if changed and parsed is not None else data
-        multihost.barrier(f"{name}/written")
         if me == 0:
             _staging.publish(staging, dest, index, overwrite)
             if on_file is not None:
@@ -239,3 +250,11 @@ def _stream_durable(path: Path, target: Path) -> int:
         except OSError as e:
             raise locations.storage_failure(f"Cannot write {str(target)!r}", e, "") from e
     return copied
+
+
+def _failed_to_copy(name: str, error: BaseException) -> None:
+    """Tell the other processes copying ``name`` that this one failed (they raise too; none publishes)."""
+    try:
+        multihost.written(name, error, 0)
+    except Exception:  # the caller raises its own error, which says more
+        pass

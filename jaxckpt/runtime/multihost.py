@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import json
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -64,38 +65,91 @@ def _client() -> Any:  # jax._src.distributed keeps the client untyped
     return client
 
 
-def timeout_ms() -> int:
-    """How long a process waits for the others at a barrier (``JAXCKPT_BARRIER_TIMEOUT_S``, default 30 min)."""
-    return int(float(os.environ.get("JAXCKPT_BARRIER_TIMEOUT_S", "1800")) * 1000)
+def timeout_ms(nbytes: int = 0) -> int:
+    """How long a process waits for the others: a margin (``JAXCKPT_BARRIER_TIMEOUT_S``, default 10
+    min) plus the time to move ``nbytes``, the most that any process has to write before it comes, at
+    the least rate a healthy process keeps (``JAXCKPT_MIN_RATE_MIB_S``, default 16 MiB/s)."""
+    margin = float(os.environ.get("JAXCKPT_BARRIER_TIMEOUT_S", "600"))
+    rate = float(os.environ.get("JAXCKPT_MIN_RATE_MIB_S", "16")) * (1 << 20)
+    return int((margin + (nbytes / rate if rate > 0 else 0.0)) * 1000)
 
 
-def barrier(name: str) -> None:
-    """Wait until every process has reached the barrier ``name``."""
+def size(nbytes: int) -> str:
+    """``nbytes`` for people: 5.3 MiB."""
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
+
+
+def phase(what: str) -> None:
+    """Say what this process is doing now (one key of the runtime's key-value store per process,
+    overwritten): a process that waits too long for it names it, and this, in its error."""
     if process_count() > 1:
         try:
-            _client().wait_at_barrier(f"jaxckpt/{name}", timeout_ms())
+            _client().key_value_set(f"jaxckpt/phase/{process_index()}", json.dumps([what, time.time()]), True)
+        except Exception:  # what this process does is news for others' errors only: never fail for it
+            pass
+
+
+def barrier(name: str, nbytes: int = 0) -> None:
+    """Wait until every process has reached the barrier ``name``, at most :func:`timeout_ms` for
+    ``nbytes`` (what the slowest process has to move before it comes)."""
+    if process_count() > 1:
+        phase(f"waiting at barrier {name!r}")
+        timeout = timeout_ms(nbytes)
+        try:
+            _client().wait_at_barrier(f"jaxckpt/{name}", timeout)
         except Exception as e:
-            raise _stuck(e, f"barrier {name!r}", "every other process") from e
+            raise _stuck(e, f"barrier {name!r}", None, timeout) from e
 
 
 def _get(key: str, what: str, process: int) -> str:
     """The value of ``key``, which ``process`` sets: waited for at most :func:`timeout_ms`."""
+    timeout = timeout_ms()
     try:
-        return str(_client().blocking_key_value_get(key, timeout_ms()))
+        return str(_client().blocking_key_value_get(key, timeout))
     except Exception as e:
-        raise _stuck(e, what, f"process {process}") from e
+        raise _stuck(e, what, process, timeout) from e
 
 
-def _stuck(error: Exception, what: str, whom: str) -> Exception:
-    """A wait for other processes that timed out: a JaxckptError that says for what, whom and how long
-    (the runtime's own says only DEADLINE_EXCEEDED and a key); any other error as it is."""
+def _stuck(error: Exception, what: str, process: int | None, timeout: int) -> Exception:
+    """A wait for other processes that timed out: a JaxckptError that names the processes that did
+    not come (``process``, or for a barrier every process not waiting there) and what each last said
+    it was doing (:func:`phase`); any other error as it is."""
     if "DEADLINE_EXCEEDED" not in str(error):
         return error
-    return JaxckptError(
-        f"Process {process_index()} waited {timeout_ms() / 1000:g} s at {what} for {whom}, which never came: a "
-        "process that failed before it (see its own error and log) never joins, and every process must make the "
-        "same calls in the same order. If they are only slow, set JAXCKPT_BARRIER_TIMEOUT_S higher."
+    me, now = process_index(), time.time()
+    said = _phases()
+    if process is not None:
+        late = [process]
+    else:  # a barrier: those not waiting at it
+        waiting = f"waiting at barrier {what.split(' ', 1)[1]}"
+        late = [p for p in range(process_count()) if p != me and said.get(p, ("", 0.0))[0] != waiting]
+    news = "; ".join(
+        f"process {p} last said it was {said[p][0]} ({now - said[p][1]:.0f} s ago)"
+        if p in said
+        else f"process {p} said nothing"
+        for p in late
     )
+    whom = ", ".join(str(p) for p in late) or "every other process"
+    return JaxckptError(
+        f"Process {me} waited {timeout / 1000:.1f} s at {what} for process{'es' if len(late) > 1 else ''} {whom}, which "
+        f"never came: {news or 'none said what it was doing'}. A process that failed or stopped (see its own error and "
+        "log) never comes, and every process must make the same calls in the same order. If they are only slow, set "
+        "JAXCKPT_BARRIER_TIMEOUT_S (the margin, in seconds) or JAXCKPT_MIN_RATE_MIB_S (the least rate of writes) "
+        "to wait longer."
+    )
+
+
+def _phases() -> dict[int, tuple[str, float]]:
+    """What each process last said it was doing (:func:`phase`), by process; {} if unknown."""
+    try:
+        found = _client().key_value_dir_get("jaxckpt/phase/")
+        out = {}
+        for key, value in found:
+            what, when = json.loads(value)
+            out[int(key.rsplit("/", 1)[-1])] = (str(what), float(when))
+        return out
+    except Exception:
+        return {}
 
 
 def shared_token() -> str:
@@ -119,20 +173,30 @@ def tokens_taken() -> int:
     return _taken.count
 
 
-def _report(token: str, error: BaseException | None) -> None:
-    """Every process says how its part of the save with ``token`` went; raise if any process's failed."""
+def _report(token: str, error: BaseException | None, stage: str = "prepared", nbytes: int = 0) -> None:
+    """Every process says how its part of the save with ``token`` went up to ``stage``; raise if any
+    process's failed. ``nbytes``: the most any process has to write before it comes (its deadline)."""
     client = _client()
     me = process_index()
     if error is not None:
-        client.key_value_set(f"jaxckpt/failed/{token}/{me}", f"{type(error).__name__}: {error}"[:2000])
-    barrier(f"{token}/prepared")
-    failures = sorted(client.key_value_dir_get(f"jaxckpt/failed/{token}/"))
+        client.key_value_set(f"jaxckpt/failed/{token}/{stage}/{me}", f"{type(error).__name__}: {error}"[:2000])
+    barrier(f"{token}/{stage}", nbytes)
+    failures = sorted(client.key_value_dir_get(f"jaxckpt/failed/{token}/{stage}/"))
     if failures and error is None:
         key, why = failures[0]
+        doing = "prepare this save" if stage == "prepared" else "write its part of this save"
         raise JaxckptError(
-            f"Process {key.rsplit('/', 1)[-1]} failed to prepare this save ({why}), so no process saves it; "
-            "every process raises this error at the same call. Fix the cause there; the next save starts afresh."
+            f"Process {key.rsplit('/', 1)[-1]} failed to {doing} ({why}), so no process saves it; every process "
+            "raises this error at the same call. Fix the cause there; the next save starts afresh."
         )
+
+
+def written(token: str, error: BaseException | None, nbytes: int) -> None:
+    """After a process wrote its part of the save ``token`` (or failed to: ``error``, which the caller
+    raises): wait for every process's, at most :func:`timeout_ms` for ``nbytes``, and raise if any
+    failed, so that none publishes a checkpoint that lacks a part and all raise at the same call."""
+    if process_count() > 1:
+        _report(token, error, "written", nbytes)
 
 
 def agree(token: str) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import os
 import weakref
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -317,6 +318,9 @@ class _Records:
         self._held = 0  # bytes of snapshot copies not written yet
         self._arrays = 0
         self._formats: dict[str, np.dtype] = {}  # a buffer's format -> the dtype numpy reads it as
+        # Bytes each process writes, as every process reckons them alike: the deadline of the wait for
+        # the others' writes (jaxckpt.runtime.multihost.timeout_ms).
+        self.loads: dict[int, int] = defaultdict(int)
 
     def add(self, key: str, item: Any) -> None:
         """Record one leaf from what :meth:`Taker.take` gave for it."""
@@ -367,6 +371,7 @@ class _Records:
         by_process: dict[int, list[tuple[tuple[int, int], ...]]] = {}
         for region, device in owned.items():
             by_process.setdefault(process_of(device), []).append(region)
+            self.loads[process_of(device)] += math.prod(hi - lo for lo, hi in region) * dtype.itemsize
         # Every process takes the same decisions here, so array numbers agree across processes.
         if math.prod(shape) * dtype.itemsize <= self.writer.pack_leaf_limit and set(by_process) == {0}:
             packs = me == 0 or self.own_copy is not None
@@ -465,21 +470,28 @@ def write_and_publish(p: Prepared) -> str:
     checkpoint is visible."""
     primary = multihost.is_primary() or p.own_copy
     try:
-        if p.unlisted:
-            statefile.mark_unrecorded(p.staging)
-        if p.index is None:
-            p.index = _record(p)
-        p.records.packer.hand_over(p.records.pack_writer, last=True)
-        for writer in p.records.writers.values():
-            writer.flush()
-            writer.finish(p.token)  # the checksums of its arrays, which the index's save names
-        if p.memory is not None and p.memory.by_reference:  # every process alike
-            p.uses = p.memory.uses(p.token, p.records.writers.values())
-            p.index.refs = bool(p.uses)
+        try:
+            if p.unlisted:
+                statefile.mark_unrecorded(p.staging)
+            if p.index is None:
+                p.index = _record(p)
+            nbytes = max(p.records.loads.values(), default=0)
+            multihost.phase(f"writing its part of save {p.token} (the largest part: {multihost.size(nbytes)})")
+            p.records.packer.hand_over(p.records.pack_writer, last=True)
+            for writer in p.records.writers.values():
+                writer.flush()
+                writer.finish(p.token)  # the checksums of its arrays, which the index's save names
+            if p.memory is not None and p.memory.by_reference:  # every process alike
+                p.uses = p.memory.uses(p.token, p.records.writers.values())
+                p.index.refs = bool(p.uses)
+        except BaseException as e:
+            _failed_to_write(p.token, e)  # the others wait at the barrier below: come, and say why this one failed
+            raise
+        multihost.written(p.token, None, nbytes)  # every process's bytes are durable, or all raise
         if not p.own_copy:  # an own copy holds this process's states only, as they are
             process_states.gather(p.token, p.index)
-        multihost.barrier(f"{p.token}/written")  # every process's bytes are durable
         if primary:
+            multihost.phase(f"publishing save {p.token}")
             p.index.save = p.token
             _staging.publish(p.staging, p.dest, encode_index(p.index), p.overwrite)
         multihost.barrier(f"{p.token}/published")
@@ -492,6 +504,15 @@ def write_and_publish(p: Prepared) -> str:
     finally:
         p.end_pause()
     return p.path
+
+
+def _failed_to_write(token: str, error: BaseException) -> None:
+    """Tell the other processes of the save ``token`` that this one failed to write its part (they
+    then raise too, and none publishes); the caller raises ``error``, which says more than theirs."""
+    try:
+        multihost.written(token, error, 0)
+    except Exception:
+        pass
 
 
 def write(dest: locations.Location, root: Any, *, overwrite: bool = False, budget: int | None = None) -> str:
