@@ -35,6 +35,7 @@ PARAMETERS = {
     "preemption_grace_s": 30.0,
     "metadata": None,
     "incremental": True,
+    "save_dtypes": None,
 }
 
 # The public calls and attributes, on a manager of one tier or two alike.

@@ -23,6 +23,7 @@ from jaxckpt.manager.options import ManagerOptions, StepCounter
 from jaxckpt.manager.policies import RetentionPolicy
 from jaxckpt.manager.tiers import PREEMPTION_GRACE_S, TwoTiers
 from jaxckpt.runtime import multihost
+from jaxckpt.saving.save_dtypes import SaveDtypes
 from jaxckpt.storage.locations import PathLike
 from jaxckpt.storage.statefile import CheckpointInfo
 
@@ -126,6 +127,9 @@ class CheckpointManager:
             of every large numpy array whose bytes it last saved, instead of writing it again
             (``False``: write every save in full). See "Incremental checkpoints" in the training
             loops guide.
+        save_dtypes: the dtype of every save's copy of some float arrays (bfloat16 weights from float32
+            parameters; Orbax's ``SaveArgs(dtype=...)``): as :func:`jaxckpt.save` takes it, with keys
+            below the Checkpoint's children (``{"model": jnp.bfloat16}``). :meth:`save` may give its own.
     """
 
     def __init__(
@@ -152,6 +156,7 @@ class CheckpointManager:
         preemption_grace_s: float = PREEMPTION_GRACE_S,
         metadata: Mapping[str, Any] | None = None,
         incremental: bool = True,
+        save_dtypes: SaveDtypes = None,
     ) -> None:
         options = ManagerOptions.check(  # before any directory is touched
             max_to_keep=max_to_keep,
@@ -167,6 +172,7 @@ class CheckpointManager:
             save_on_preemption=save_on_preemption,
             read_only=read_only,
             clock=clock,
+            save_dtypes=save_dtypes,
         )
         rest: dict[str, Any] = dict(
             last_checkpoint_step=last_checkpoint_step, metadata=metadata, incremental=incremental
@@ -284,6 +290,7 @@ class CheckpointManager:
         step: int | None = None,
         force: bool = False,
         metrics: Mapping[str, Any] | None = None,
+        save_dtypes: SaveDtypes = None,
     ) -> str | None:
         """Write a new checkpoint, record it, and apply retention; returns its prefix.
 
@@ -297,7 +304,8 @@ class CheckpointManager:
         ``checkpoint_number`` names it (``save(checkpoint_number=n)`` gives ``ckpt-<n>``); numbers already
         listed are refused. ``step=s``, as Orbax's managers take it, names it ``ckpt-<s>`` and records
         ``s`` as its step (no ``step_counter`` needed). ``metrics`` are recorded for :class:`KeepBest`
-        and :attr:`checkpoint_infos`.
+        and :attr:`checkpoint_infos`. ``save_dtypes`` stores some float arrays of this save in another
+        dtype, in place of the manager's ``save_dtypes`` (see :func:`jaxckpt.save`).
 
         The checkpoints that retention drops are deleted in the background once the state file no
         longer lists them, one manager's in order; :meth:`wait_until_finished` and :meth:`close` wait
@@ -308,7 +316,9 @@ class CheckpointManager:
         the durable tier (``durable_interval_steps``, or ``force``), the checkpoint is then copied there
         in the background. A copy that fails is said by a warning at the next save.
         """
-        return self._part.save(checkpoint_number, check_interval, step=step, force=force, metrics=metrics)
+        return self._part.save(
+            checkpoint_number, check_interval, step=step, force=force, metrics=metrics, save_dtypes=save_dtypes
+        )
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past

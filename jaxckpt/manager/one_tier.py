@@ -47,7 +47,9 @@ from jaxckpt.manager.retention import RetentionCalls
 from jaxckpt.runtime import multihost
 from jaxckpt.runtime.background import Background
 from jaxckpt.saving import pipeline
+from jaxckpt.saving import save_dtypes as _save_dtypes
 from jaxckpt.saving import staging as _staging
+from jaxckpt.saving.save_dtypes import SaveDtypes
 from jaxckpt.storage import locations
 from jaxckpt.storage import lock as _lock
 from jaxckpt.storage.locations import PathLike
@@ -192,6 +194,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         step: int | None = None,
         force: bool = False,
         metrics: Mapping[str, Any] | None = None,
+        save_dtypes: SaveDtypes = None,
     ) -> str | None:
         """Write a new checkpoint, record it, and apply retention (see :meth:`jaxckpt.CheckpointManager.save`)."""
         if step is not None:
@@ -203,7 +206,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         # when its part fails, so that no save after it waits for a process that is a save behind.
         taken = multihost.tokens_taken()
         try:
-            ready = self._prepare(checkpoint_number, step, force, metrics, check_interval)
+            ready = self._prepare(checkpoint_number, step, force, metrics, check_interval, save_dtypes)
         except Exception as e:
             token = multihost.abandon(taken, e)
             self._discard(token)
@@ -232,6 +235,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         force: bool,
         metrics: Mapping[str, Any] | None,
         check_interval: bool = True,
+        save_dtypes: SaveDtypes = None,
     ) -> tuple[pipeline.Prepared, CheckpointInfo] | None:
         """Number the checkpoint and snapshot it; None when ``checkpoint_interval`` or
         ``save_interval_steps`` says not yet."""
@@ -264,7 +268,11 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._pending_path = path
         try:
             prepared = pipeline.prepare(
-                self._path / os.path.basename(path), self._checkpoint, own_copy=self._own_copy, memory=self._memory
+                self._path / os.path.basename(path),
+                self._checkpoint,
+                own_copy=self._own_copy,
+                memory=self._memory,
+                save_dtypes=self._options.save_dtypes if save_dtypes is None else _save_dtypes.check(save_dtypes),
             )
         except BaseException:
             self._checkpoint.save_counter = counter

@@ -18,6 +18,8 @@ from typing import Any
 
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt.manager.policies import KeepAny, KeepLatest, RetentionPolicy, positive_int, positive_number
+from jaxckpt.saving import save_dtypes as _save_dtypes
+from jaxckpt.saving.save_dtypes import SaveDtypes
 from jaxckpt.storage.statefile import PREFIX, CheckpointInfo
 
 StepCounter = str | Callable[[], Any]  # the name of a child of the checkpoint, or a callable returning the step
@@ -38,6 +40,7 @@ class ManagerOptions:
     save_on_preemption: bool
     read_only: bool
     clock: Callable[[], float]
+    save_dtypes: SaveDtypes = None  # the dtypes of every save's copy (jaxckpt.saving.save_dtypes)
 
     @classmethod
     def check(
@@ -56,6 +59,7 @@ class ManagerOptions:
         save_on_preemption: bool,
         read_only: bool,
         clock: Callable[[], float],
+        save_dtypes: SaveDtypes = None,
     ) -> ManagerOptions:
         """The options, or the ValueError / TypeError of the first one that is wrong."""
         if not PREFIX.fullmatch(checkpoint_name) or checkpoint_name.startswith("."):
@@ -94,6 +98,7 @@ class ManagerOptions:
             save_on_preemption=save_on_preemption,
             read_only=read_only,
             clock=clock,
+            save_dtypes=_save_dtypes.check(save_dtypes),
         )
 
     def number(self, prefix: str) -> int | None:

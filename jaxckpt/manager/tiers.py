@@ -74,6 +74,7 @@ from jaxckpt.manager.policies import KeepAny, KeepLatest, RetentionPolicy, posit
 from jaxckpt.reading.reader import AFTER_READ
 from jaxckpt.runtime import multihost
 from jaxckpt.runtime.background import Background
+from jaxckpt.saving.save_dtypes import SaveDtypes
 from jaxckpt.storage import local_tree, locations, statefile
 from jaxckpt.storage.locations import PathLike
 from jaxckpt.storage.statefile import CheckpointInfo
@@ -170,6 +171,7 @@ class TwoTiers(OneTier):
         step: int | None = None,
         force: bool = False,
         metrics: Mapping[str, Any] | None = None,
+        save_dtypes: SaveDtypes = None,
     ) -> str | None:
         """Save to the local tier (see :meth:`OneTier.save`); if the step is due for the
         durable tier (``durable_interval_steps``, or ``force``), copy it there in the background."""
@@ -177,7 +179,9 @@ class TwoTiers(OneTier):
         self._warn_failed_deletes()  # the durable tier's, which no save of its own reports
         self._local._background.wait()  # as the local save would first: its retention is done
         self._make_room()
-        path = self._local.save(checkpoint_number, check_interval, step=step, force=force, metrics=metrics)
+        path = self._local.save(
+            checkpoint_number, check_interval, step=step, force=force, metrics=metrics, save_dtypes=save_dtypes
+        )
         info = self._local._last_info
         if path is None or info is None:
             return None
