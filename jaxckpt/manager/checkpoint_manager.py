@@ -69,9 +69,9 @@ class CheckpointManager:
     it never saves, deletes or cleans up. ``clock`` (Unix seconds) is for tests.
 
     Saves are asynchronous unless ``async_save=False``: :meth:`save` returns once the values are
-    snapshotted, and writing, the state file and retention run in the background. The next save,
-    :meth:`restore_or_initialize`, :meth:`wait_until_finished` and :meth:`close` wait for it and raise
-    its error if it failed. ``latest_checkpoint``, ``checkpoints`` and ``checkpoint_infos`` wait for it
+    snapshotted, and writing, the state file and retention run in the background. The next save that
+    is due, :meth:`restore_or_initialize`, :meth:`wait_until_finished` and :meth:`close` wait for it and
+    raise its error if it failed. ``latest_checkpoint``, ``checkpoints`` and ``checkpoint_infos`` wait for it
     too, and list finished saves only, but leave its error to those calls; ``repr`` never waits.
     :meth:`close` releases the lock only once the background save is done: a Ctrl-C that interrupts
     it leaves the manager open and the directory locked until the save ends (at exit at the latest).
@@ -300,7 +300,9 @@ class CheckpointManager:
         manager that has neither saved nor restored yet saves. It also returns None when
         :meth:`should_save` says no (``save_interval_steps``; a preemption notice says yes), for the
         step counter's step, ``step``, or without a step counter ``checkpoint_number`` (so that Orbax's
-        positional ``save(step)`` keeps to the interval). ``force=True`` saves regardless.
+        positional ``save(step)`` keeps to the interval). A save that is not due returns at once, without
+        waiting for the save in the background (nor raising its error: the next save that is due does).
+        ``force=True`` saves regardless.
         ``checkpoint_number`` names it (``save(checkpoint_number=n)`` gives ``ckpt-<n>``); numbers already
         listed are refused. ``step=s``, as Orbax's managers take it, names it ``ckpt-<s>`` and records
         ``s`` as its step (no ``step_counter`` needed). ``metrics`` are recorded for :class:`KeepBest`
@@ -322,9 +324,9 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past
-        the latest checkpoint's step, and divisible by ``save_interval_steps`` (any step without one)
-        or a preemption notice asks for a save at this step. A step already saved is never due,
-        notice or not."""
+        the latest checkpoint's step (the one being saved in the background included), and divisible by
+        ``save_interval_steps`` (any step without one) or a preemption notice asks for a save at this
+        step. A step already saved is never due, notice or not. Never waits for the save in the background."""
         return self._part.should_save(step)
 
     def wait_until_finished(self) -> None:

@@ -237,11 +237,9 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         check_interval: bool = True,
         save_dtypes: SaveDtypes = None,
     ) -> tuple[pipeline.Prepared, CheckpointInfo] | None:
-        """Number the checkpoint and snapshot it; None when ``checkpoint_interval`` or
-        ``save_interval_steps`` says not yet."""
+        """Number the checkpoint and snapshot it; None when ``checkpoint_interval`` or ``save_interval_steps``
+        says not yet, decided without waiting for the save in the background."""
         self._pending_path = None
-        self._background.wait()  # the previous save is recorded (or its error raised) before numbering
-        self._warn_failed_deletes()
         step = self._options.read_step(self._checkpoint) if explicit_step is None else explicit_step
         if explicit_step is not None:
             checkpoint_number = explicit_step
@@ -249,11 +247,15 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         last = self._last_before = self._last_checkpoint_step
         if not force and self._options.too_soon(step, last, check_interval):
             return None
-        by_step = explicit_step is not None or self._options.every is not None  # Orbax's rule, not only TF's interval
+        options = self._options
+        by_step = explicit_step is not None or options.every is not None  # Orbax's rule, not only TF's interval
         # Without a step counter, a number is the step it records: Orbax's ``save(step)``, positional.
         decided = step if step is not None or checkpoint_number is None else operator.index(checkpoint_number)
         if not force and decided is not None and by_step and not self._due(decided):
             return None
+        self._background.wait()  # the previous save is recorded (or its error raised) before numbering
+        self._warn_failed_deletes()
+        self._make_room_to_save()
         recorded = check_metrics(metrics)  # refuse bad metrics before anything is written
         counter = self._counter_before = self._checkpoint.save_counter
         number = self._options.next_number(checkpoint_number, counter, self._infos)
@@ -280,6 +282,10 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         if self._options.interval is not None:
             self._last_checkpoint_step = step
         return prepared, CheckpointInfo(path, number if step is None else step, self._options.clock(), recorded)
+
+    def _make_room_to_save(self) -> None:
+        """Before a save that is due, once the previous one is done: nothing here (two tiers' local
+        tier drops what the durable tier holds, under disk pressure)."""
 
     # --- the Orbax-style surface: checkpoints by step ---------------------------------------------
 

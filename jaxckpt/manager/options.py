@@ -129,10 +129,10 @@ class ManagerOptions:
         except TypeError:
             raise TypeError(f"The step counter {counter!r} gave {value!r}, which is not an integer step.") from None
 
-    def due(self, step: int, infos: Sequence[CheckpointInfo], preempted: bool = False) -> bool:
-        """Orbax's rule: ``step`` is past the latest checkpoint's step and divisible by ``save_interval_steps``,
-        or ``preempted`` (a preemption notice asks for a save at this step, whatever the interval)."""
-        latest = infos[-1].step if infos else None
+    def due(self, step: int, latest: int | None, preempted: bool = False) -> bool:
+        """Orbax's rule: ``step`` is past ``latest`` (the latest checkpoint's step) and divisible by
+        ``save_interval_steps``, or ``preempted`` (a preemption notice asks for a save at this step,
+        whatever the interval)."""
         return (latest is None or step > latest) and (preempted or step % (self.every or 1) == 0)
 
     def too_soon(self, step: int | None, last: int | None, check_interval: bool) -> bool:

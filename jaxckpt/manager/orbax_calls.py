@@ -41,16 +41,26 @@ class OrbaxCalls:
     _directory: str
     _metadata: dict[str, Any] | None
     _given_metadata: dict[str, Any] | None
+    _last_info: CheckpointInfo | None
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would save at ``step`` (see :meth:`jaxckpt.CheckpointManager.should_save`)."""
-        self._background.settle()
+        """Whether :meth:`save` would save at ``step`` (see :meth:`jaxckpt.CheckpointManager.should_save`);
+        never waits for a save in the background."""
         return self._due(operator.index(step))
 
     def _due(self, step: int) -> bool:
         """:meth:`should_save`'s answer, which :meth:`save` follows (a preemption notice included)."""
         preempted = self._preemption is not None and self._preemption.reached_preemption(step)
-        return self._options.due(step, self._infos, preempted)
+        return self._options.due(step, self._latest_step(), preempted)
+
+    def _latest_step(self) -> int | None:
+        """The step of the latest checkpoint, the one being saved in the background included (it is
+        the latest once written), without waiting for it."""
+        last = self._last_info
+        if last is not None and self._background.pending:
+            return last.step
+        infos = self._infos
+        return infos[-1].step if infos else None
 
     def metadata(self) -> dict[str, Any]:
         """The run's metadata: what the directory's first manager given ``metadata={...}`` recorded
