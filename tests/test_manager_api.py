@@ -23,6 +23,8 @@ PARAMETERS = {
     "checkpoint_interval": None,
     "last_checkpoint_step": None,
     "save_interval_steps": None,
+    "save_interval_secs": None,
+    "save_continuously": False,
     "init_fn": None,
     "policies": (),
     "async_save": True,

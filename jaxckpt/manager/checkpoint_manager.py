@@ -80,6 +80,12 @@ class CheckpointManager:
     (``ckpt-<s>``, saved exactly when :meth:`should_save` says so: past the latest step, and divisible
     by ``save_interval_steps`` or at a preemption notice), :meth:`all_steps`, :meth:`latest_step`,
     :meth:`restore` by step into :attr:`checkpoint`, and :meth:`delete` of a step (a rollback).
+    Saves by time: ``save_interval_secs=t`` saves once ``t`` seconds passed since the last save began;
+    ``save_continuously=True`` saves again as soon as the last save is written (Orbax's
+    ``ContinuousCheckpointingPolicy``; with ``save_interval_secs``, its ``minimum_interval_secs``). With
+    several rules, a step is due if any says so. In a multi-process run, process 0 decides by its own
+    clock and every process follows (so every process must call :meth:`should_save` and :meth:`save`
+    alike, as it must anyway); rules by step need no such agreement.
     ``metadata={...}`` records the run's configuration (JSON) once for the directory, in
     ``checkpoint.metadata``, and :meth:`metadata` reads it back.
 
@@ -110,12 +116,16 @@ class CheckpointManager:
         checkpoint_interval: TensorFlow's: save only every ``n`` steps of the step counter.
         last_checkpoint_step: where ``checkpoint_interval`` counts from before the first save or restore.
         save_interval_steps: Orbax's: save only at steps divisible by ``n`` (and at a preemption notice).
+        save_interval_secs: save when ``t`` seconds (by ``clock``) passed since this manager's last save
+            began, or since it started (as well as at the steps ``save_interval_steps`` names, if given).
+        save_continuously: Orbax's continuous checkpointing: save as soon as this manager's last save is
+            written (the decision never waits for it), at most every ``save_interval_secs``.
         init_fn: called by :meth:`restore_or_initialize` when there is no checkpoint to restore.
         policies: retention policies (:class:`KeepLatest`, :class:`KeepEvery`, :class:`KeepBest`, ...).
         async_save: write in the background (``False``: :meth:`save` returns once written).
         save_on_preemption: turn SIGTERM into a notice for :meth:`save_if_preempted`.
         read_only: restore only: never save, delete, clean up or take the lock.
-        clock: the time in Unix seconds, recorded with each checkpoint (for tests).
+        clock: the time in Unix seconds, recorded with each checkpoint and read by the rules by time (for tests).
         local_directory: a folder on this host's fast disk: the local tier (two tiers).
         local_policies: the local tier's retention (default: ``KeepLatest(2)``).
         durable_interval_steps: copy the checkpoints of every ``n``-th step to ``directory``
@@ -144,6 +154,8 @@ class CheckpointManager:
         checkpoint_interval: int | None = None,
         last_checkpoint_step: int | None = None,
         save_interval_steps: int | None = None,
+        save_interval_secs: float | None = None,
+        save_continuously: bool = False,
         init_fn: Callable[[], Any] | None = None,
         policies: Sequence[RetentionPolicy] = (),
         async_save: bool = True,
@@ -173,6 +185,8 @@ class CheckpointManager:
             read_only=read_only,
             clock=clock,
             save_dtypes=save_dtypes,
+            save_interval_secs=save_interval_secs,
+            save_continuously=save_continuously,
         )
         rest: dict[str, Any] = dict(
             last_checkpoint_step=last_checkpoint_step, metadata=metadata, incremental=incremental
@@ -300,7 +314,8 @@ class CheckpointManager:
         manager that has neither saved nor restored yet saves. It also returns None when
         :meth:`should_save` says no (``save_interval_steps``; a preemption notice says yes), for the
         step counter's step, ``step``, or without a step counter ``checkpoint_number`` (so that Orbax's
-        positional ``save(step)`` keeps to the interval). A save that is not due returns at once, without
+        positional ``save(step)`` keeps to the interval), and when ``save_interval_secs`` or
+        ``save_continuously`` says not yet. A save that is not due returns at once, without
         waiting for the save in the background (nor raising its error: the next save that is due does).
         ``force=True`` saves regardless.
         ``checkpoint_number`` names it (``save(checkpoint_number=n)`` gives ``ckpt-<n>``); numbers already
@@ -325,8 +340,10 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past
         the latest checkpoint's step (the one being saved in the background included), and divisible by
-        ``save_interval_steps`` (any step without one) or a preemption notice asks for a save at this
-        step. A step already saved is never due, notice or not. Never waits for the save in the background."""
+        ``save_interval_steps`` (any step without it, or a rule by time), or a preemption notice asks for
+        a save at this step, or ``save_interval_secs`` / ``save_continuously`` say it is time (process 0's
+        clock decides, for every process). A step already saved is never due, notice or not. Never waits
+        for the save in the background."""
         return self._part.should_save(step)
 
     def wait_until_finished(self) -> None:

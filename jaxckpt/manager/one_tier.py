@@ -91,6 +91,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._counter_before = 0
         self._pending_path: str | None = None
         self._last_info: CheckpointInfo | None = None  # the latest save's, for a durable copy of it
+        self._since = options.clock()  # save_interval_secs counts from here, then from each save's start
         self._also_keep: set[str] = set()  # local checkpoints that retention keeps while they are copied
         self._background = Background("CheckpointManager")
         # Guards _infos and the state file between the save's thread and a durable copy's thread,
@@ -237,8 +238,8 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         check_interval: bool = True,
         save_dtypes: SaveDtypes = None,
     ) -> tuple[pipeline.Prepared, CheckpointInfo] | None:
-        """Number the checkpoint and snapshot it; None when ``checkpoint_interval`` or ``save_interval_steps``
-        says not yet, decided without waiting for the save in the background."""
+        """Number the checkpoint and snapshot it; None when ``checkpoint_interval``, ``save_interval_steps``
+        or a rule by the clock says not yet, decided without waiting for the save in the background."""
         self._pending_path = None
         step = self._options.read_step(self._checkpoint) if explicit_step is None else explicit_step
         if explicit_step is not None:
@@ -251,7 +252,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         by_step = explicit_step is not None or options.every is not None  # Orbax's rule, not only TF's interval
         # Without a step counter, a number is the step it records: Orbax's ``save(step)``, positional.
         decided = step if step is not None or checkpoint_number is None else operator.index(checkpoint_number)
-        if not force and decided is not None and by_step and not self._due(decided):
+        if not force and (options.timed or (decided is not None and by_step)) and not self._due(decided):
             return None
         self._background.wait()  # the previous save is recorded (or its error raised) before numbering
         self._warn_failed_deletes()
@@ -281,7 +282,8 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
             raise
         if self._options.interval is not None:
             self._last_checkpoint_step = step
-        return prepared, CheckpointInfo(path, number if step is None else step, self._options.clock(), recorded)
+        self._since = self._options.clock()
+        return prepared, CheckpointInfo(path, number if step is None else step, self._since, recorded)
 
     def _make_room_to_save(self) -> None:
         """Before a save that is due, once the previous one is done: nothing here (two tiers' local
