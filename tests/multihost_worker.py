@@ -6,7 +6,7 @@ MODE: save | restore (prints the data stores it opened) | save-then-die (process
 manager (two saves through a CheckpointManager) | manager-incremental (two saves, a restore by a new
 manager, a third save: the unchanged arrays are hard-linked) | manager-fail (process 1 fails the first save before
 its token; every process must raise there, and the next save must work) | manager-retention (each
-process has its own clock and metrics; all must keep what process 0 decided) | manager-by-time (save_interval_secs and
+process has its own clock and metrics; all must keep what process 0 decided) | save-dtypes (a manager's save_dtypes, across processes) | manager-by-time (save_interval_secs and
 save_continuously with clocks that differ: every process saves where process 0 decides) | iterator-save, iterator-restore, iterator-tiers (each
 process's data iterator state differs; each gets its own back) | tiers-save, tiers-restore (two tiers) | agree-alone (a wait for
 a process that never comes ends in an error) | tiers-start
@@ -184,6 +184,22 @@ elif mode == "manager-retention":
     mine = [{"prefix": os.path.basename(c.path), "step": c.step, "time": c.time, "metrics": c.metrics} for c in infos]
     assert mine == listed, (mine, listed)
     assert [c["prefix"] for c in listed] == ["ckpt-2", "ckpt-3"], listed
+elif mode == "save-dtypes":  # arrays sharded over both processes, saved in bfloat16, restored as float32
+    import ml_dtypes
+
+    half = {k: "bfloat16" for k, v in VALUES.items() if v.dtype == np.float32}
+    ckpt = jaxckpt.Checkpoint(state=state())
+    with jaxckpt.CheckpointManager(ckpt, path, save_dtypes={"state": half}) as manager:
+        manager.save(step=1)
+    template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k)) for k, v in VALUES.items()}
+    fresh = jaxckpt.Checkpoint(state={**template, "step": 0})
+    fresh.restore(jaxckpt.latest_checkpoint(path)).assert_consumed()
+    for name, value in VALUES.items():
+        want = value.astype(ml_dtypes.bfloat16).astype(np.float32) if name in half else value
+        array = fresh.state[name]
+        assert array.dtype == value.dtype and array.sharding == sharding(name), (name, array.dtype)
+        for shard in array.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=name)
 elif mode == "manager-by-time":  # each process's clock differs: every process saves where process 0's says
     from jaxckpt.runtime import multihost
 
