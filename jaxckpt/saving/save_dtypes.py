@@ -8,7 +8,7 @@ float32 parameters are stored as bfloat16, say, without changing the caller's ar
   whose leaves are dtypes or None (saved as it is). A dtype on a subtree applies to the floating-point
   arrays in it and leaves the rest (int steps, PRNG keys, Python values) as they are; a dtype on one
   leaf must fit that leaf. A leaf with a ``dtype`` attribute counts as its dtype, so an Orbax
-  ``save_args`` tree (``ocp.SaveArgs(dtype=...)``) or a tree of ``jax.ShapeDtypeStruct``\\ s works as it is;
+  ``save_args`` tree (``ocp.SaveArgs(dtype=...)``) or a tree of ``jax.ShapeDtypeStruct`` objects works as it is;
 - a callable ``(key, leaf) -> dtype | None``, called for every array leaf with its checkpoint key
   (``"params/dense/kernel"``, as ``jaxckpt ls`` shows it).
 
