@@ -6,7 +6,8 @@ MODE: save | restore (prints the data stores it opened) | save-then-die (process
 manager (two saves through a CheckpointManager) | manager-incremental (two saves, a restore by a new
 manager, a third save: the unchanged arrays are hard-linked) | manager-fail (process 1 fails the first save before
 its token; every process must raise there, and the next save must work) | manager-retention (each
-process has its own clock and metrics; all must keep what process 0 decided) | iterator-save, iterator-restore, iterator-tiers (each
+process has its own clock and metrics; all must keep what process 0 decided) | save-dtypes (a manager's save_dtypes, across processes) | manager-by-time (save_interval_secs and
+save_continuously with clocks that differ: every process saves where process 0 decides) | iterator-save, iterator-restore, iterator-tiers (each
 process's data iterator state differs; each gets its own back) | tiers-save, tiers-restore (two tiers) | agree-alone (a wait for
 a process that never comes ends in an error) | tiers-start
 (process 0 takes over the durable folder while process 1 starts) | manager-start-fail (process 1's manager
@@ -185,6 +186,62 @@ elif mode == "manager-retention":
     mine = [{"prefix": os.path.basename(c.path), "step": c.step, "time": c.time, "metrics": c.metrics} for c in infos]
     assert mine == listed, (mine, listed)
     assert [c["prefix"] for c in listed] == ["ckpt-2", "ckpt-3"], listed
+elif mode == "save-dtypes":  # arrays sharded over both processes, saved in bfloat16, restored as float32
+    import ml_dtypes
+
+    half = {k: "bfloat16" for k, v in VALUES.items() if v.dtype == np.float32}
+    ckpt = jaxckpt.Checkpoint(state=state())
+    with jaxckpt.CheckpointManager(ckpt, path, save_dtypes={"state": half}) as manager:
+        manager.save(step=1)
+    template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(k)) for k, v in VALUES.items()}
+    fresh = jaxckpt.Checkpoint(state={**template, "step": 0})
+    fresh.restore(jaxckpt.latest_checkpoint(path)).assert_consumed()
+    for name, value in VALUES.items():
+        want = value.astype(ml_dtypes.bfloat16).astype(np.float32) if name in half else value
+        array = fresh.state[name]
+        assert array.dtype == value.dtype and array.sharding == sharding(name), (name, array.dtype)
+        for shard in array.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=name)
+elif mode == "manager-by-time":  # each process's clock differs: every process saves where process 0's says
+    from jaxckpt.runtime import multihost
+
+    now = [1_800_000_000.0 + 5000 * pid]
+    per_step = [7.0, 100.0][pid]  # alone, process 1 would save at every step
+
+    def clock():
+        return now[0]
+
+    def loop(manager, steps):
+        saved = []
+        for step in steps:
+            now[0] += per_step
+            due = manager.should_save(step)
+            if manager.save(step) is not None:
+                saved.append(step)
+            # save decides again: due then (continuous: the last save was written since should_save said no)
+            assert not due or step in saved, (step, due, saved)
+        manager.wait_until_finished()
+        return saved
+
+    ckpt = jaxckpt.Checkpoint(state=state())
+    with jaxckpt.CheckpointManager(ckpt, os.path.join(path, "interval"), save_interval_secs=60, clock=clock) as m:
+        saved = loop(m, range(1, 21))
+        assert saved == m.all_steps() == [9, 18], saved  # by process 0's clock: 63 s, then 63 s after that
+    # Continuous: process 0's background decides; which steps depends on its timing, but every process agrees.
+    with jaxckpt.CheckpointManager(ckpt, os.path.join(path, "continuous"), save_continuously=True, clock=clock) as m:
+        saved = loop(m, range(1, 31))
+        saved += loop(m, [31])  # the last save is written (loop waited for it): due on every process
+        assert saved[-1] == 31 and saved == m.all_steps(), (saved, m.all_steps())
+    print(f"process {pid}: continuous saved {saved}", flush=True)
+    try:  # a decision that fails on process 0 fails on every process, rather than leave them waiting
+        multihost.primary_decides("save decision", lambda: 1 / 0)
+    except (ZeroDivisionError, jaxckpt.JaxckptError) as e:
+        assert "division by zero" in str(e), e
+    else:
+        raise AssertionError("a failed decision passed")
+    multihost.barrier("decisions read")
+    left = multihost._client().key_value_dir_get("jaxckpt/decision/")
+    assert left == [], left  # each decision's keys went once every process read it
 elif mode == "manager-delete":  # Orbax's rollback: every process calls delete, process 0 deletes
     ckpt = jaxckpt.Checkpoint(state=state())
     with jaxckpt.CheckpointManager(ckpt, path) as manager:

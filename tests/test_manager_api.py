@@ -23,6 +23,8 @@ PARAMETERS = {
     "checkpoint_interval": None,
     "last_checkpoint_step": None,
     "save_interval_steps": None,
+    "save_interval_secs": None,
+    "save_continuously": False,
     "init_fn": None,
     "policies": (),
     "async_save": True,
@@ -35,6 +37,7 @@ PARAMETERS = {
     "preemption_grace_s": 30.0,
     "metadata": None,
     "incremental": True,
+    "save_dtypes": None,
 }
 
 # The public calls and attributes, on a manager of one tier or two alike.

@@ -263,6 +263,31 @@ def test_process_0_decides_retention_and_the_others_follow(tmp_path):
     ok(run("manager-retention", tmp_path, nproc=2, ndev=2, mesh="2x2"), "manager-retention")
 
 
+def test_save_dtypes_across_processes(tmp_path):
+    """Each process casts its shards on its own devices and writes them in bfloat16; the index says so."""
+    ok(run("save-dtypes", tmp_path, nproc=2, ndev=2, mesh="2x2"), "save-dtypes")
+    index = json.loads((tmp_path / "ckpt-1" / "index.json").read_text())
+    assert {k: v["dtype"] for k, v in index["leaves"].items() if "dtype" in v} == {
+        "state/xy": "bfloat16",
+        "state/rows": "bfloat16",
+        "state/cols": "int32",
+        "state/replicated": "bfloat16",
+        "state/small_replicated": "bfloat16",
+    }
+    assert index["leaves"]["state/rows"]["at"]["spec"] == [["x"], None]  # its mesh layout, as in float32
+
+
+def test_a_save_decision_by_time_is_process_0_s_on_every_process(tmp_path):
+    """save_interval_secs and save_continuously decide by a clock, and each process's differs (and its
+    background save ends at its own moment): a process that decided alone would wait for the others'
+    save forever. Process 0 decides for all (short barrier timeout: a disagreement fails fast)."""
+    results = run("manager-by-time", tmp_path, nproc=2, ndev=2, mesh="2x2", env={"JAXCKPT_BARRIER_TIMEOUT_S": "60"})
+    ok(results, "manager-by-time")
+    said = [next(line for line in out.splitlines() if "continuous saved" in line) for _, out in results]
+    assert said[0].split(":", 1)[1] == said[1].split(":", 1)[1], said
+    assert "saved [1" in said[0]  # the first step is due: nothing is being written yet
+
+
 def test_delete_across_processes(tmp_path):
     ok(run("manager-delete", tmp_path, nproc=2, ndev=2, mesh="2x2"), "manager-delete")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "ckpt-1", "ckpt-2"]

@@ -314,13 +314,15 @@ def test_under_disk_pressure_local_checkpoints_the_durable_tier_holds_go_first(t
         assert [c.step for c in m.local_checkpoint_infos] == [2, 4, 6, 8, 10]
         usage = shutil.disk_usage(tmp_path)
         monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1))  # a full disk
-        _train(ckpt, m, 12)
+        _train(ckpt, m, 14)
         m.wait_until_finished()
-        # 4 and 8 are in the durable tier: dropped first; 2 and 6 exist nowhere else and stay.
-        assert [c.step for c in m.local_checkpoint_infos] == [2, 6, 10, 12]
+        # 4 and 8 are in the durable tier: dropped first, one for each save under pressure (12, then 14;
+        # a step that is not due saves nothing and makes no room); 2 and 6 exist nowhere else and stay.
+        assert [c.step for c in m.local_checkpoint_infos] == [2, 6, 10, 12, 14]
         assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("ckpt")) == [
             "ckpt-10",
             "ckpt-12",
+            "ckpt-14",
             "ckpt-2",
             "ckpt-6",
         ]

@@ -23,6 +23,7 @@ from jaxckpt.runtime import multihost
 from jaxckpt.runtime.background import Background
 from jaxckpt.saving import pipeline
 from jaxckpt.saving import staging as _staging
+from jaxckpt.saving.save_dtypes import SaveDtypes
 from jaxckpt.storage import locations, statefile
 from jaxckpt.storage import lock as _lock
 from jaxckpt.storage.locations import PathLike
@@ -97,6 +98,7 @@ def _write(
     blocking: bool,
     recorder: _Recorder | None = None,
     step: int = 0,
+    save_dtypes: SaveDtypes = None,
 ) -> str:
     """Save ``root`` after ``background``'s previous save (raising its error); in the background if asked.
 
@@ -108,7 +110,7 @@ def _write(
     # when its part fails, so that all raise at the same call and the next save's token agrees.
     taken = multihost.tokens_taken()
     try:
-        prepared = pipeline.prepare(locations.location(path), root, overwrite=overwrite)
+        prepared = pipeline.prepare(locations.location(path), root, overwrite=overwrite, save_dtypes=save_dtypes)
     except Exception as e:
         multihost.abandon(taken, e)  # the primary's own prepare removed its staging folder if it failed
         raise
@@ -208,12 +210,12 @@ class Checkpoint:
 
     # --- saving and restoring ------------------------------------------------------------------
 
-    def save(self, file_prefix: PathLike, *, blocking: bool = True) -> str:
+    def save(self, file_prefix: PathLike, *, blocking: bool = True, save_dtypes: SaveDtypes = None) -> str:
         """Write a new numbered checkpoint ``<file_prefix>-<n>``; returns its path.
 
         ``n`` is ``save_counter`` after incrementing it; the counter is saved too, so numbering
         continues after a restore. ``blocking=False`` returns once the values are snapshotted and
-        writes in the background (see :meth:`write`).
+        writes in the background; ``save_dtypes`` stores some float arrays in another dtype (see :meth:`write`).
 
         As in TensorFlow, the checkpoint is then listed in the state file of its directory, so that
         :func:`jaxckpt.latest_checkpoint` finds it and a CheckpointManager opened there adopts it. The
@@ -235,13 +237,16 @@ class Checkpoint:
                 blocking=blocking,
                 recorder=recorder,
                 step=self.save_counter,
+                save_dtypes=save_dtypes,
             )
         except BaseException:
             self.save_counter -= 1
             recorder.close()  # released by the background save otherwise
             raise
 
-    def write(self, path: PathLike, *, overwrite: bool = False, blocking: bool = True) -> str:
+    def write(
+        self, path: PathLike, *, overwrite: bool = False, blocking: bool = True, save_dtypes: SaveDtypes = None
+    ) -> str:
         """Write a checkpoint at exactly ``path`` (no numbering); returns ``path``.
 
         With ``blocking=False`` the call returns once every value is snapshotted (on an accelerator,
@@ -249,9 +254,13 @@ class Checkpoint:
         background write is done. Children may change, and the train step may donate their buffers,
         as soon as the call returns. The next save, :meth:`wait_until_finished` and :meth:`restore`
         wait for it first and raise its error if it failed.
+
+        ``save_dtypes`` stores float arrays in another dtype (Orbax's ``SaveArgs(dtype=...)``): a dtype for
+        every float array (``jnp.bfloat16``), a tree of dtypes shaped like the children or a part of them
+        (``{"model": jnp.bfloat16}``), or a callable ``(key, leaf) -> dtype | None``; see :func:`jaxckpt.save`.
         """
         self._settle(path)
-        return _write(self._background, path, self, overwrite=overwrite, blocking=blocking)
+        return _write(self._background, path, self, overwrite=overwrite, blocking=blocking, save_dtypes=save_dtypes)
 
     def _settle(self, path: PathLike | None = None, *, final: bool = False) -> None:
         """Report what earlier restores into this graph left unused, once each (see :class:`RestoreStatus`).
@@ -349,14 +358,25 @@ class Checkpoint:
 Checkpoint.__module__ = "jaxckpt"
 
 
-def save(path: PathLike, tree: Any, *, overwrite: bool = False, blocking: bool = True) -> str:
+def save(
+    path: PathLike, tree: Any, *, overwrite: bool = False, blocking: bool = True, save_dtypes: SaveDtypes = None
+) -> str:
     """Save a pytree, a Flax NNX module, or any supported object as a checkpoint at ``path``.
 
     Refuses to replace an existing checkpoint unless ``overwrite=True``. Returns ``path``. With
     ``blocking=False``, returns once the values are snapshotted and writes in the background; call
     :func:`wait_until_finished` (``restore`` and the next ``save`` do) before relying on it.
+
+    ``save_dtypes`` stores floating-point arrays in another floating-point dtype, as Orbax's
+    ``SaveArgs(dtype=...)`` does (bfloat16 weights from float32 parameters): a dtype (every float
+    array), a tree shaped like ``tree`` or like a part of it whose leaves are dtypes or None
+    (``{"params": jnp.bfloat16}``: the float arrays under ``params``; an Orbax ``save_args`` tree works
+    too), or a callable ``(key, leaf) -> dtype | None``. The cast is a copy, on the arrays' devices and
+    in their sharding; ``tree`` is unchanged. The index records the dtype stored, and a restore into a
+    template of the original dtype casts back. A key the tree lacks, a dtype that is not floating-point,
+    or one given for a leaf that is not a float array raises ValueError naming the key.
     """
-    return _write(_async.SAVES, path, tree, overwrite=overwrite, blocking=blocking)
+    return _write(_async.SAVES, path, tree, overwrite=overwrite, blocking=blocking, save_dtypes=save_dtypes)
 
 
 def wait_until_finished() -> None:

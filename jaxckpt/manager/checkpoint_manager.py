@@ -23,6 +23,7 @@ from jaxckpt.manager.options import ManagerOptions, StepCounter
 from jaxckpt.manager.policies import RetentionPolicy
 from jaxckpt.manager.tiers import PREEMPTION_GRACE_S, TwoTiers
 from jaxckpt.runtime import multihost
+from jaxckpt.saving.save_dtypes import SaveDtypes
 from jaxckpt.storage.locations import PathLike
 from jaxckpt.storage.statefile import CheckpointInfo
 
@@ -68,9 +69,9 @@ class CheckpointManager:
     it never saves, deletes or cleans up. ``clock`` (Unix seconds) is for tests.
 
     Saves are asynchronous unless ``async_save=False``: :meth:`save` returns once the values are
-    snapshotted, and writing, the state file and retention run in the background. The next save,
-    :meth:`restore_or_initialize`, :meth:`wait_until_finished` and :meth:`close` wait for it and raise
-    its error if it failed. ``latest_checkpoint``, ``checkpoints`` and ``checkpoint_infos`` wait for it
+    snapshotted, and writing, the state file and retention run in the background. The next save that
+    is due, :meth:`restore_or_initialize`, :meth:`wait_until_finished` and :meth:`close` wait for it and
+    raise its error if it failed. ``latest_checkpoint``, ``checkpoints`` and ``checkpoint_infos`` wait for it
     too, and list finished saves only, but leave its error to those calls; ``repr`` never waits.
     :meth:`close` releases the lock only once the background save is done: a Ctrl-C that interrupts
     it leaves the manager open and the directory locked until the save ends (at exit at the latest).
@@ -79,6 +80,12 @@ class CheckpointManager:
     (``ckpt-<s>``, saved exactly when :meth:`should_save` says so: past the latest step, and divisible
     by ``save_interval_steps`` or at a preemption notice), :meth:`all_steps`, :meth:`latest_step`,
     :meth:`restore` by step into :attr:`checkpoint`, and :meth:`delete` of a step (a rollback).
+    Saves by time: ``save_interval_secs=t`` saves once ``t`` seconds passed since the last save began;
+    ``save_continuously=True`` saves again as soon as the last save is written (Orbax's
+    ``ContinuousCheckpointingPolicy``; with ``save_interval_secs``, its ``minimum_interval_secs``). With
+    several rules, a step is due if any says so. In a multi-process run, process 0 decides by its own
+    clock and every process follows (so every process must call :meth:`should_save` and :meth:`save`
+    alike, as it must anyway); rules by step need no such agreement.
     ``metadata={...}`` records the run's configuration (JSON) once for the directory, in
     ``checkpoint.metadata``, and :meth:`metadata` reads it back.
 
@@ -109,12 +116,16 @@ class CheckpointManager:
         checkpoint_interval: TensorFlow's: save only every ``n`` steps of the step counter.
         last_checkpoint_step: where ``checkpoint_interval`` counts from before the first save or restore.
         save_interval_steps: Orbax's: save only at steps divisible by ``n`` (and at a preemption notice).
+        save_interval_secs: save when ``t`` seconds (by ``clock``) passed since this manager's last save
+            began, or since it started (as well as at the steps ``save_interval_steps`` names, if given).
+        save_continuously: Orbax's continuous checkpointing: save as soon as this manager's last save is
+            written (the decision never waits for it), at most every ``save_interval_secs``.
         init_fn: called by :meth:`restore_or_initialize` when there is no checkpoint to restore.
         policies: retention policies (:class:`KeepLatest`, :class:`KeepEvery`, :class:`KeepBest`, ...).
         async_save: write in the background (``False``: :meth:`save` returns once written).
         save_on_preemption: turn SIGTERM into a notice for :meth:`save_if_preempted`.
         read_only: restore only: never save, delete, clean up or take the lock.
-        clock: the time in Unix seconds, recorded with each checkpoint (for tests).
+        clock: the time in Unix seconds, recorded with each checkpoint and read by the rules by time (for tests).
         local_directory: a folder on this host's fast disk: the local tier (two tiers).
         local_policies: the local tier's retention (default: ``KeepLatest(2)``).
         durable_interval_steps: copy the checkpoints of every ``n``-th step to ``directory``
@@ -126,6 +137,9 @@ class CheckpointManager:
             of every large numpy array whose bytes it last saved, instead of writing it again
             (``False``: write every save in full). See "Incremental checkpoints" in the training
             loops guide.
+        save_dtypes: the dtype of every save's copy of some float arrays (bfloat16 weights from float32
+            parameters; Orbax's ``SaveArgs(dtype=...)``): as :func:`jaxckpt.save` takes it, with keys
+            below the Checkpoint's children (``{"model": jnp.bfloat16}``). :meth:`save` may give its own.
     """
 
     def __init__(
@@ -140,6 +154,8 @@ class CheckpointManager:
         checkpoint_interval: int | None = None,
         last_checkpoint_step: int | None = None,
         save_interval_steps: int | None = None,
+        save_interval_secs: float | None = None,
+        save_continuously: bool = False,
         init_fn: Callable[[], Any] | None = None,
         policies: Sequence[RetentionPolicy] = (),
         async_save: bool = True,
@@ -152,6 +168,7 @@ class CheckpointManager:
         preemption_grace_s: float = PREEMPTION_GRACE_S,
         metadata: Mapping[str, Any] | None = None,
         incremental: bool = True,
+        save_dtypes: SaveDtypes = None,
     ) -> None:
         options = ManagerOptions.check(  # before any directory is touched
             max_to_keep=max_to_keep,
@@ -167,6 +184,9 @@ class CheckpointManager:
             save_on_preemption=save_on_preemption,
             read_only=read_only,
             clock=clock,
+            save_dtypes=save_dtypes,
+            save_interval_secs=save_interval_secs,
+            save_continuously=save_continuously,
         )
         rest: dict[str, Any] = dict(
             last_checkpoint_step=last_checkpoint_step, metadata=metadata, incremental=incremental
@@ -284,6 +304,7 @@ class CheckpointManager:
         step: int | None = None,
         force: bool = False,
         metrics: Mapping[str, Any] | None = None,
+        save_dtypes: SaveDtypes = None,
     ) -> str | None:
         """Write a new checkpoint, record it, and apply retention; returns its prefix.
 
@@ -293,11 +314,15 @@ class CheckpointManager:
         manager that has neither saved nor restored yet saves. It also returns None when
         :meth:`should_save` says no (``save_interval_steps``; a preemption notice says yes), for the
         step counter's step, ``step``, or without a step counter ``checkpoint_number`` (so that Orbax's
-        positional ``save(step)`` keeps to the interval). ``force=True`` saves regardless.
+        positional ``save(step)`` keeps to the interval), and when ``save_interval_secs`` or
+        ``save_continuously`` says not yet. A save that is not due returns at once, without
+        waiting for the save in the background (nor raising its error: the next save that is due does).
+        ``force=True`` saves regardless.
         ``checkpoint_number`` names it (``save(checkpoint_number=n)`` gives ``ckpt-<n>``); numbers already
         listed are refused. ``step=s``, as Orbax's managers take it, names it ``ckpt-<s>`` and records
         ``s`` as its step (no ``step_counter`` needed). ``metrics`` are recorded for :class:`KeepBest`
-        and :attr:`checkpoint_infos`.
+        and :attr:`checkpoint_infos`. ``save_dtypes`` stores some float arrays of this save in another
+        dtype, in place of the manager's ``save_dtypes`` (see :func:`jaxckpt.save`).
 
         The checkpoints that retention drops are deleted in the background once the state file no
         longer lists them, one manager's in order; :meth:`wait_until_finished` and :meth:`close` wait
@@ -308,13 +333,17 @@ class CheckpointManager:
         the durable tier (``durable_interval_steps``, or ``force``), the checkpoint is then copied there
         in the background. A copy that fails is said by a warning at the next save.
         """
-        return self._part.save(checkpoint_number, check_interval, step=step, force=force, metrics=metrics)
+        return self._part.save(
+            checkpoint_number, check_interval, step=step, force=force, metrics=metrics, save_dtypes=save_dtypes
+        )
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would save at ``step``, as Orbax's managers decide: ``step`` is past
-        the latest checkpoint's step, and divisible by ``save_interval_steps`` (any step without one)
-        or a preemption notice asks for a save at this step. A step already saved is never due,
-        notice or not."""
+        the latest checkpoint's step (the one being saved in the background included), and divisible by
+        ``save_interval_steps`` (any step without it, or a rule by time), or a preemption notice asks for
+        a save at this step, or ``save_interval_secs`` / ``save_continuously`` say it is time (process 0's
+        clock decides, for every process). A step already saved is never due, notice or not. Never waits
+        for the save in the background."""
         return self._part.should_save(step)
 
     def wait_until_finished(self) -> None:

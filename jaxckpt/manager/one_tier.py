@@ -47,7 +47,9 @@ from jaxckpt.manager.retention import RetentionCalls
 from jaxckpt.runtime import multihost
 from jaxckpt.runtime.background import Background
 from jaxckpt.saving import pipeline
+from jaxckpt.saving import save_dtypes as _save_dtypes
 from jaxckpt.saving import staging as _staging
+from jaxckpt.saving.save_dtypes import SaveDtypes
 from jaxckpt.storage import locations
 from jaxckpt.storage import lock as _lock
 from jaxckpt.storage.locations import PathLike
@@ -89,6 +91,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._counter_before = 0
         self._pending_path: str | None = None
         self._last_info: CheckpointInfo | None = None  # the latest save's, for a durable copy of it
+        self._since = options.clock()  # save_interval_secs counts from here, then from each save's start
         self._also_keep: set[str] = set()  # local checkpoints that retention keeps while they are copied
         self._background = Background("CheckpointManager")
         # Guards _infos and the state file between the save's thread and a durable copy's thread,
@@ -192,6 +195,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         step: int | None = None,
         force: bool = False,
         metrics: Mapping[str, Any] | None = None,
+        save_dtypes: SaveDtypes = None,
     ) -> str | None:
         """Write a new checkpoint, record it, and apply retention (see :meth:`jaxckpt.CheckpointManager.save`)."""
         if step is not None:
@@ -203,7 +207,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         # when its part fails, so that no save after it waits for a process that is a save behind.
         taken = multihost.tokens_taken()
         try:
-            ready = self._prepare(checkpoint_number, step, force, metrics, check_interval)
+            ready = self._prepare(checkpoint_number, step, force, metrics, check_interval, save_dtypes)
         except Exception as e:
             token = multihost.abandon(taken, e)
             self._discard(token)
@@ -232,12 +236,11 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         force: bool,
         metrics: Mapping[str, Any] | None,
         check_interval: bool = True,
+        save_dtypes: SaveDtypes = None,
     ) -> tuple[pipeline.Prepared, CheckpointInfo] | None:
-        """Number the checkpoint and snapshot it; None when ``checkpoint_interval`` or
-        ``save_interval_steps`` says not yet."""
+        """Number the checkpoint and snapshot it; None when ``checkpoint_interval``, ``save_interval_steps``
+        or a rule by the clock says not yet, decided without waiting for the save in the background."""
         self._pending_path = None
-        self._background.wait()  # the previous save is recorded (or its error raised) before numbering
-        self._warn_failed_deletes()
         step = self._options.read_step(self._checkpoint) if explicit_step is None else explicit_step
         if explicit_step is not None:
             checkpoint_number = explicit_step
@@ -245,11 +248,15 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         last = self._last_before = self._last_checkpoint_step
         if not force and self._options.too_soon(step, last, check_interval):
             return None
-        by_step = explicit_step is not None or self._options.every is not None  # Orbax's rule, not only TF's interval
+        options = self._options
+        by_step = explicit_step is not None or options.every is not None  # Orbax's rule, not only TF's interval
         # Without a step counter, a number is the step it records: Orbax's ``save(step)``, positional.
         decided = step if step is not None or checkpoint_number is None else operator.index(checkpoint_number)
-        if not force and decided is not None and by_step and not self._due(decided):
+        if not force and (options.timed or (decided is not None and by_step)) and not self._due(decided):
             return None
+        self._background.wait()  # the previous save is recorded (or its error raised) before numbering
+        self._warn_failed_deletes()
+        self._make_room_to_save()
         recorded = check_metrics(metrics)  # refuse bad metrics before anything is written
         counter = self._counter_before = self._checkpoint.save_counter
         number = self._options.next_number(checkpoint_number, counter, self._infos)
@@ -264,14 +271,23 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._pending_path = path
         try:
             prepared = pipeline.prepare(
-                self._path / os.path.basename(path), self._checkpoint, own_copy=self._own_copy, memory=self._memory
+                self._path / os.path.basename(path),
+                self._checkpoint,
+                own_copy=self._own_copy,
+                memory=self._memory,
+                save_dtypes=self._options.save_dtypes if save_dtypes is None else _save_dtypes.check(save_dtypes),
             )
         except BaseException:
             self._checkpoint.save_counter = counter
             raise
         if self._options.interval is not None:
             self._last_checkpoint_step = step
-        return prepared, CheckpointInfo(path, number if step is None else step, self._options.clock(), recorded)
+        self._since = self._options.clock()
+        return prepared, CheckpointInfo(path, number if step is None else step, self._since, recorded)
+
+    def _make_room_to_save(self) -> None:
+        """Before a save that is due, once the previous one is done: nothing here (two tiers' local
+        tier drops what the durable tier holds, under disk pressure)."""
 
     # --- the Orbax-style surface: checkpoints by step ---------------------------------------------
 

@@ -2,8 +2,9 @@
 
 :meth:`ManagerOptions.check` refuses bad options before the manager touches its directory, and
 the frozen :class:`ManagerOptions` it returns is what the manager, its start-up and its retention
-read from then on: the ``<name>-N`` naming, the retention policy (one :class:`KeepAny`), TensorFlow's
-``checkpoint_interval`` and Orbax's ``save_interval_steps``.
+read from then on: the ``<name>-N`` naming, the retention policy (one :class:`KeepAny`), and when to
+save: TensorFlow's ``checkpoint_interval``, Orbax's ``save_interval_steps``, and the rules by the clock
+(``save_interval_secs``, ``save_continuously``), which process 0 decides for every process.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 from jaxckpt._errors import UnsupportedValueError
 from jaxckpt.manager.policies import KeepAny, KeepLatest, RetentionPolicy, positive_int, positive_number
+from jaxckpt.saving import save_dtypes as _save_dtypes
+from jaxckpt.saving.save_dtypes import SaveDtypes
 from jaxckpt.storage.statefile import PREFIX, CheckpointInfo
 
 StepCounter = str | Callable[[], Any]  # the name of a child of the checkpoint, or a callable returning the step
@@ -38,6 +41,9 @@ class ManagerOptions:
     save_on_preemption: bool
     read_only: bool
     clock: Callable[[], float]
+    save_dtypes: SaveDtypes = None  # the dtypes of every save's copy (jaxckpt.saving.save_dtypes)
+    interval_secs: float | None = None  # save_interval_secs
+    continuous: bool = False  # save_continuously
 
     @classmethod
     def check(
@@ -56,6 +62,9 @@ class ManagerOptions:
         save_on_preemption: bool,
         read_only: bool,
         clock: Callable[[], float],
+        save_dtypes: SaveDtypes = None,
+        save_interval_secs: float | None = None,
+        save_continuously: bool = False,
     ) -> ManagerOptions:
         """The options, or the ValueError / TypeError of the first one that is wrong."""
         if not PREFIX.fullmatch(checkpoint_name) or checkpoint_name.startswith("."):
@@ -74,6 +83,8 @@ class ManagerOptions:
                 raise ValueError(f"last_checkpoint_step must be an int step, not {last_checkpoint_step!r}.")
         if save_interval_steps is not None:
             positive_int("save_interval_steps", save_interval_steps)
+        if not isinstance(save_continuously, bool):
+            raise TypeError(f"save_continuously must be True or False, not {save_continuously!r}.")
         if read_only and save_on_preemption:
             raise ValueError("save_on_preemption needs a manager that saves, not one with read_only=True.")
         if step_counter is not None and not (isinstance(step_counter, str) or callable(step_counter)):
@@ -94,6 +105,11 @@ class ManagerOptions:
             save_on_preemption=save_on_preemption,
             read_only=read_only,
             clock=clock,
+            save_dtypes=_save_dtypes.check(save_dtypes),
+            interval_secs=None
+            if save_interval_secs is None
+            else positive_number("save_interval_secs", save_interval_secs),
+            continuous=save_continuously,
         )
 
     def number(self, prefix: str) -> int | None:
@@ -124,11 +140,29 @@ class ManagerOptions:
         except TypeError:
             raise TypeError(f"The step counter {counter!r} gave {value!r}, which is not an integer step.") from None
 
-    def due(self, step: int, infos: Sequence[CheckpointInfo], preempted: bool = False) -> bool:
-        """Orbax's rule: ``step`` is past the latest checkpoint's step and divisible by ``save_interval_steps``,
-        or ``preempted`` (a preemption notice asks for a save at this step, whatever the interval)."""
-        latest = infos[-1].step if infos else None
-        return (latest is None or step > latest) and (preempted or step % (self.every or 1) == 0)
+    @property
+    def timed(self) -> bool:
+        """Whether a rule by the clock takes part in the decision (``save_interval_secs``, ``save_continuously``)."""
+        return self.interval_secs is not None or self.continuous
+
+    def due(self, step: int | None, latest: int | None, preempted: bool = False) -> bool | None:
+        """Orbax's rule by step: False where ``step`` is not past ``latest`` (the latest checkpoint's
+        step); True at a preemption notice (``preempted``) or a step divisible by ``save_interval_steps``;
+        otherwise, without a rule by the clock, whether there is no ``save_interval_steps``, and with
+        one, None: :meth:`due_by_clock` decides (on process 0, for every process)."""
+        if step is not None and latest is not None and step <= latest:
+            return False
+        if preempted or (self.every is not None and step is not None and step % self.every == 0):
+            return True
+        return None if self.timed else self.every is None
+
+    def due_by_clock(self, since: float, saving: bool) -> bool:
+        """The rules by the clock: ``save_continuously``, no save of this manager is being written
+        (``saving``) any more; ``save_interval_secs``, that many seconds passed ``since`` (when the last
+        save began, or the manager started)."""
+        if self.continuous and saving:
+            return False
+        return self.interval_secs is None or self.clock() - since >= self.interval_secs
 
     def too_soon(self, step: int | None, last: int | None, check_interval: bool) -> bool:
         """TensorFlow's rule: ``step`` is the last saved or restored one, or (with ``check_interval``)

@@ -12,6 +12,7 @@ from jaxckpt.manager import run_metadata
 from jaxckpt.manager.options import ManagerOptions
 from jaxckpt.manager.policies import KeepAny, KeepBest, RetentionPolicy
 from jaxckpt.manager.preemption import PreemptionHandler
+from jaxckpt.runtime import multihost
 from jaxckpt.runtime.background import Background
 from jaxckpt.storage import locations, statefile
 from jaxckpt.storage.statefile import CheckpointInfo
@@ -41,16 +42,34 @@ class OrbaxCalls:
     _directory: str
     _metadata: dict[str, Any] | None
     _given_metadata: dict[str, Any] | None
+    _last_info: CheckpointInfo | None
+    _since: float  # when this manager's last save began, or it started (save_interval_secs counts from it)
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would save at ``step`` (see :meth:`jaxckpt.CheckpointManager.should_save`)."""
-        self._background.settle()
+        """Whether :meth:`save` would save at ``step`` (see :meth:`jaxckpt.CheckpointManager.should_save`);
+        never waits for a save in the background."""
         return self._due(operator.index(step))
 
-    def _due(self, step: int) -> bool:
-        """:meth:`should_save`'s answer, which :meth:`save` follows (a preemption notice included)."""
-        preempted = self._preemption is not None and self._preemption.reached_preemption(step)
-        return self._options.due(step, self._infos, preempted)
+    def _due(self, step: int | None) -> bool:
+        """:meth:`should_save`'s answer, which :meth:`save` follows (a preemption notice included). A
+        rule by the clock is process 0's decision, shared (every process calls this alike); the rules
+        by step are the same on every process, and need no agreement."""
+        preempted = step is not None and self._preemption is not None and self._preemption.reached_preemption(step)
+        by_step = self._options.due(step, self._latest_step(), preempted)
+        if by_step is not None:
+            return by_step
+        return multihost.primary_decides(
+            "save decision", lambda: self._options.due_by_clock(self._since, self._background.pending)
+        )
+
+    def _latest_step(self) -> int | None:
+        """The step of the latest checkpoint, the one being saved in the background included (it is
+        the latest once written), without waiting for it."""
+        last = self._last_info
+        if last is not None and self._background.pending:
+            return last.step
+        infos = self._infos
+        return infos[-1].step if infos else None
 
     def metadata(self) -> dict[str, Any]:
         """The run's metadata: what the directory's first manager given ``metadata={...}`` recorded

@@ -58,6 +58,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ from jaxckpt.manager.policies import KeepAny, KeepLatest, RetentionPolicy, posit
 from jaxckpt.reading.reader import AFTER_READ
 from jaxckpt.runtime import multihost
 from jaxckpt.runtime.background import Background
+from jaxckpt.saving.save_dtypes import SaveDtypes
 from jaxckpt.storage import local_tree, locations, statefile
 from jaxckpt.storage.locations import PathLike
 from jaxckpt.storage.statefile import CheckpointInfo
@@ -87,6 +89,12 @@ class _HostTier(OneTier):
     its own ``local_directory`` (its own disk), with the packs and every region it holds."""
 
     _own_copy = True
+    _tiers: weakref.ref[TwoTiers] | None = None  # the manager of both (weak: no cycle keeps it alive)
+
+    def _make_room_to_save(self) -> None:
+        tiers = self._tiers() if self._tiers is not None else None
+        if tiers is not None:
+            tiers._make_room()
 
 
 class TwoTiers(OneTier):
@@ -141,6 +149,7 @@ class TwoTiers(OneTier):
                 incremental=incremental,
             )
             self._local._preemption = self._preemption  # its save(step) and should_save see a notice too
+            self._local._tiers = weakref.ref(self)  # its saves make room on its disk (_make_room)
         except BaseException:
             self._close(report=False)
             raise
@@ -170,14 +179,15 @@ class TwoTiers(OneTier):
         step: int | None = None,
         force: bool = False,
         metrics: Mapping[str, Any] | None = None,
+        save_dtypes: SaveDtypes = None,
     ) -> str | None:
         """Save to the local tier (see :meth:`OneTier.save`); if the step is due for the
         durable tier (``durable_interval_steps``, or ``force``), copy it there in the background."""
         self._report_failed_copy()
         self._warn_failed_deletes()  # the durable tier's, which no save of its own reports
-        self._local._background.wait()  # as the local save would first: its retention is done
-        self._make_room()
-        path = self._local.save(checkpoint_number, check_interval, step=step, force=force, metrics=metrics)
+        path = self._local.save(  # a save that is due makes room once the last local one is done
+            checkpoint_number, check_interval, step=step, force=force, metrics=metrics, save_dtypes=save_dtypes
+        )
         info = self._local._last_info
         if path is None or info is None:
             return None

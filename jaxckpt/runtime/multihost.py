@@ -19,7 +19,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -324,3 +324,38 @@ def to_primary(name: str, value: str) -> list[str] | None:
         values.append(_get(key, f"the report {name!r}", p))
         client.key_value_delete(key)
     return values
+
+
+_decisions = itertools.count()  # numbers the primary's decisions alike on every process (in call order)
+
+
+def primary_decides(what: str, decide: Callable[[], bool]) -> bool:
+    """The primary's ``decide()``, on every process; the others never call theirs. For a decision that
+    every process must take alike but that each would take otherwise: one by its own clock (a manager
+    saving every so many seconds), where processes that disagreed would wait for each other's save
+    forever. Every process calls it at the same points in the same order (the calls are numbered);
+    the value is deleted once every other process read it, so that one call per training step does
+    not pile up in the store over a long run. With one process, ``decide()``."""
+    if process_count() == 1:
+        return decide()
+    key = f"jaxckpt/decision/{next(_decisions)}"
+    client = _client()
+    if is_primary():
+        try:
+            answer = decide()
+        except BaseException as e:  # the others raise too, rather than wait for an answer
+            client.key_value_set(key, f"!{type(e).__name__}: {e}"[:2000])
+            raise
+        client.key_value_set(key, "1" if answer else "0")
+        return answer
+    said = _get(key, f"process {PRIMARY}'s {what}", PRIMARY)
+    # The last process to have read it deletes it, with the marks below it (a directory of keys).
+    client.key_value_set(f"{key}/read/{process_index()}", "1")
+    if len(client.key_value_dir_get(f"{key}/read/")) == process_count() - 1:
+        try:
+            client.key_value_delete(key)
+        except Exception:  # another process that read it last too deleted it first
+            pass
+    if said.startswith("!"):
+        raise JaxckptError(f"Process {PRIMARY} failed to take the {what} for every process: {said[1:]}")
+    return said == "1"

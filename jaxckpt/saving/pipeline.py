@@ -39,6 +39,7 @@ from jaxckpt.runtime import multihost
 from jaxckpt.saving import process_states
 from jaxckpt.saving import staging as _staging
 from jaxckpt.saving.reuse import Linked, Reuse, arrays_of_their_own
+from jaxckpt.saving.save_dtypes import SaveDtypes, cast_leaves
 from jaxckpt.saving.snapshot import (
     Deferred,
     Taker,
@@ -204,6 +205,7 @@ def prepare(
     budget: int | None = None,
     own_copy: bool = False,
     memory: Reuse | None = None,
+    save_dtypes: SaveDtypes = None,
 ) -> Prepared:
     """The blocking part of a save: check the destination and every leaf, and take the snapshot
     (:mod:`jaxckpt.saving.snapshot`); the records, packs and index are made by :func:`write_and_publish`.
@@ -214,14 +216,15 @@ def prepare(
     longer call, not more memory. ``budget`` overrides :func:`host_memory_budget`. ``own_copy``: each
     process writes a whole checkpoint of its own at ``dest`` (its own disk), holding the packs and
     every region it has (see :class:`Prepared`). ``memory``: a manager's, whose unchanged arrays are
-    hard-linked on local disks, referred to on buckets (:mod:`jaxckpt.saving.reuse`).
+    hard-linked on local disks, referred to on buckets (:mod:`jaxckpt.saving.reuse`). ``save_dtypes``:
+    the dtype of the saved copy of some leaves (:mod:`jaxckpt.saving.save_dtypes`).
 
     The garbage collector stays paused until what was taken is recorded: the collection it put off
     (of every object the snapshot made) then runs there, not in the caller's thread as the call ends.
     """
     end_pause = pause()
     try:
-        p = _prepare(dest, root, overwrite, budget, own_copy, memory)
+        p = _prepare(dest, root, overwrite, budget, own_copy, memory, save_dtypes)
     except BaseException:
         end_pause()
         raise
@@ -240,9 +243,12 @@ def _prepare(
     budget: int | None,
     own_copy: bool,
     memory: Reuse | None,
+    save_dtypes: SaveDtypes,
 ) -> Prepared:
     keys = _staging.check_writable(dest, overwrite)  # in an object store: what is there, listed once
     flat = flatten_saved(root)
+    if save_dtypes is not None:  # copies, before any leaf is linked or taken: a cast is never the array itself
+        flat.leaves = cast_leaves(flat, save_dtypes)
     me = multihost.process_index()
     if own_copy and dest.local is None:
         raise ValueError(f"A process's own copy goes to its local disk, not to {dest.text!r}.")
