@@ -38,7 +38,9 @@ oldest first (never the newest, nor one being copied).
 the durable tier, process 0 the index last, so the durable checkpoint is the one a save by all of
 them there would have made. A restore uses the local step only if every process lists it and could
 read its own copy; otherwise every process restores the newest durable checkpoint (which also
-serves another mesh or process count).
+serves another mesh or process count). ``local_replicas`` peer processes (1 by default) also keep a
+copy of each process's newest local checkpoint, so that a replaced host gets its part back from a
+peer instead of the run falling back to the durable tier (:mod:`jaxckpt.manager.peers`).
 
 **Listing.** Each directory holds a ``checkpoint.tiers`` file naming both: ``jaxckpt ls`` on either shows both.
 
@@ -70,6 +72,7 @@ from jaxckpt.incremental import copy_memory, memories, refs
 from jaxckpt.manager import durable_copy
 from jaxckpt.manager.one_tier import OneTier
 from jaxckpt.manager.options import ManagerOptions
+from jaxckpt.manager.peers import Peers
 from jaxckpt.manager.policies import KeepAny, KeepLatest, RetentionPolicy, positive_int
 from jaxckpt.reading.reader import AFTER_READ
 from jaxckpt.runtime import multihost
@@ -107,7 +110,9 @@ class TwoTiers(OneTier):
         last_checkpoint_step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         incremental: bool = True,
+        local_replicas: int | None = None,
     ) -> None:
+        peers = Peers(os.fspath(local_directory), local_replicas)  # checks local_replicas
         if durable_interval_steps is not None:
             positive_int("durable_interval_steps", durable_interval_steps)
         if not preemption_grace_s >= 0:
@@ -147,6 +152,7 @@ class TwoTiers(OneTier):
         # The durable tier's saves are copies, in a thread of their own (see jaxckpt.runtime.background).
         self._background = Background("durable copy", pool="copy")
         self._every = durable_interval_steps
+        self._peers = peers
         self._grace = preemption_grace_s
         self._copy_lock = threading.Lock()
         self._copying = False  # a copy job runs (or is queued)
@@ -176,6 +182,7 @@ class TwoTiers(OneTier):
         self._report_failed_copy()
         self._warn_failed_deletes()  # the durable tier's, which no save of its own reports
         self._local._background.wait()  # as the local save would first: its retention is done
+        self._copy_to_peers()
         self._make_room()
         path = self._local.save(checkpoint_number, check_interval, step=step, force=force, metrics=metrics)
         info = self._local._last_info
@@ -184,6 +191,12 @@ class TwoTiers(OneTier):
         if force or self._every is None or info.step % self._every == 0:
             self._copy_later(info)
         return path
+
+    def _copy_to_peers(self) -> None:
+        """After the local save: its peer copies, in the caller's thread (see jaxckpt.manager.peers)."""
+        if not self._options.read_only:
+            infos = self._local.checkpoint_infos
+            self._peers.copy(infos[-1] if infos else None, [os.path.basename(c.path) for c in infos])
 
     def _make_room(self) -> None:
         """Under disk pressure, drop local checkpoints the durable tier holds (see the module's
@@ -281,6 +294,7 @@ class TwoTiers(OneTier):
         raise an error of one of them."""
         try:
             self._local.wait_until_finished()
+            self._copy_to_peers()
         finally:
             try:
                 self._background.wait()
@@ -330,12 +344,9 @@ class TwoTiers(OneTier):
             self._background.settle()
         local = [c for c in self._local.checkpoint_infos if step is None or c.step == step]
         durable = [c for c in self._infos if step is None or c.step == step]
-        if agree and multihost.process_count() > 1:
-            steps = multihost.gather(
-                f"tiers/{self._directory}/{next(self._restores)}", str(local[-1].step if local else "")
-            )
-            if len(set(steps)) != 1:
-                local = []
+        if agree and multihost.process_count() > 1:  # the newest that every process has or gets from a peer
+            found = self._peers.recover(self._local, step, durable[-1] if durable else None, self._options.read_only)
+            local = [found] if found is not None else []
         out = []
         if local and (not durable or local[-1].step >= durable[-1].step):
             out.append(local[-1])
@@ -379,7 +390,7 @@ class TwoTiers(OneTier):
                     stacklevel=caller_level(),
                 )
                 continue
-            if i > 0:  # the local tier's newer checkpoints belong to a run that is not continued
+            if i > 0 or step is None:  # the local tier's newer checkpoints belong to a run that is not continued
                 self._drop_local_after(info.step)
             self._restored()
             self._local._restored()
@@ -476,6 +487,8 @@ class TwoTiers(OneTier):
     def close(self) -> None:
         """Finish the local save and the durable copy, then release both directories."""
         try:
+            if self._local._background.settle() and not self._local._background.failed and self._local._release.alive:
+                self._copy_to_peers()
             self._background.settle()  # the copy first: its end may apply the local tier's retention
         finally:
             try:
