@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -80,13 +81,22 @@ def run(
                 procs.append(subprocess.Popen(argv, stdout=files[i], stderr=subprocess.STDOUT, text=True, env=e))
             deadline = time.monotonic() + timeout
             outputs = []
-            for p, f in zip(procs, files):
+            for p in procs:
                 try:
                     p.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     for q in procs:
+                        q.send_signal(signal.SIGUSR1)  # the worker prints its threads' stacks
+                    time.sleep(3)
+                    for q in procs:
                         q.kill()
-                    raise
+                    logs = []
+                    for i, f in enumerate(files):
+                        f.seek(0)
+                        logs.append(f"--- process {i}:\n{f.read()[-6000:]}")
+                    raise RuntimeError(
+                        f"{mode}: the processes did not finish in {timeout} s:\n" + "\n".join(logs)
+                    ) from None
             for f in files:
                 f.seek(0)
                 outputs.append(f.read())

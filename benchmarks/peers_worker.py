@@ -10,14 +10,17 @@ folder or an ``s3://`` prefix). Environment: PEERS_REPLICAS (local_replicas), PE
 a counting proxy can tell the restore's requests from the start-up's). Prints ``result {json}``.
 """
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import urllib.error
 import urllib.request
 import warnings
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # benchmarks/peers.py asks for the stacks of a hang
 mode, pid, nproc, port, path, durable = sys.argv[1:7]
 pid, nproc = int(pid), int(nproc)
 os.environ["JAX_PLATFORMS"] = "cpu"

@@ -17,8 +17,8 @@ import jaxckpt
 from jaxckpt.manager import peer_files, peers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import peers as peers_bench  # noqa: E402
-from conftest import BUCKET  # noqa: E402
+import peers as peers_bench
+from conftest import BUCKET
 
 TWO_HOSTS = [{"JAXCKPT_FAILURE_DOMAIN": h} for h in ("host-a", "host-a", "host-b", "host-b")]
 
@@ -30,8 +30,7 @@ def test_copies_go_to_another_failure_domain_where_there_is_one():
     # One host (a test machine): another process, then the next.
     assert peers.placement(["h"] * 4, 2) == ([0, 1, 2, 3], [1, 2])
     # Three on one host and one on another: no permutation keeps every copy off its host; the fewest share.
-    order, offsets = peers.placement(["a", "a", "a", "b"], 1)
-    assert len(offsets) == 1
+    assert len(peers.placement(["a", "a", "a", "b"], 1)[1]) == 1
     with pytest.raises(ValueError, match="local_replicas must be a whole number"):
         peers.replicas_for(-1, 4)
     assert peers.replicas_for(None, 1) == 0 and peers.replicas_for(None, 4) == 1
@@ -70,6 +69,14 @@ def test_a_stream_carries_a_checkpoint_folder_bit_for_bit_and_finds_damage(tmp_p
     damaged.feed(memoryview(_stream(folder, header, crcs)))
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match=f"{largest}.*CRC-32C"):
         damaged.finish()
+    # A file the sender cannot read goes as zeros with a CRC-32C that refuses them, and the sender says why.
+    (folder / largest).unlink()
+    out = peer_files.Outgoing(folder, header)
+    gone = peer_files.Incoming(tmp_path / "gone", "process 1's c")
+    gone.feed(memoryview(out.read(0, out.length)))
+    assert isinstance(out.error, FileNotFoundError), out.error
+    with pytest.raises(jaxckpt.CheckpointCorruptedError, match=f"{largest}.*CRC-32C"):
+        gone.finish()
     broken = peer_files.Incoming(tmp_path / "broken", "x")
     broken.feed(memoryview(b"\xff" * 64))  # never raises while the rounds go on
     with pytest.raises(jaxckpt.CheckpointCorruptedError, match="claims a header"):

@@ -52,9 +52,9 @@ def checkpoint_files(folder: Path) -> list[tuple[str, int]]:
 class Outgoing:
     """A checkpoint folder as a stream (see the module's description), read in order by
     :func:`jaxckpt.runtime.exchange.transfer`. ``crcs``: the CRC-32C values to send (a held copy's
-    marker); by default those of the bytes read. A file that cannot be read is sent as zeros and
-    its error kept in :attr:`error` (the receiver's check then fails too): the sender still takes
-    part in every round."""
+    marker); by default those of the bytes read. A file that cannot be read is sent as zeros with a
+    CRC-32C that does not match them, so that the receiver refuses it, and its error is kept in
+    :attr:`error`: the sender still takes part in every round."""
 
     def __init__(self, folder: Path, header: Mapping[str, Any], crcs: Sequence[int] | None = None) -> None:
         self._folder = folder
@@ -71,6 +71,9 @@ class Outgoing:
         self._handle: Any = None
         self._done = 0
         self._crc = 0
+        self._poisoned: set[int] = (
+            set()
+        )  # files sent as zeros: their CRC-32C is sent wrong, so the receiver refuses them
 
     def read(self, offset: int, size: int) -> bytes:
         if offset != self._at:
@@ -84,7 +87,7 @@ class Outgoing:
                 piece = self._read_file(want)
             else:
                 crcs = self._given if self._given is not None else self._crcs
-                trailer = b"".join(_CRC.pack(c) for c in crcs)
+                trailer = b"".join(_CRC.pack(c ^ 0xFFFFFFFF if i in self._poisoned else c) for i, c in enumerate(crcs))
                 start = self._at - self._trailer_at
                 piece = trailer[start : start + want]
                 if not piece:
@@ -113,6 +116,7 @@ class Outgoing:
             if self.error is None:
                 self.error = CheckpointCorruptedError(f"{str(self._folder / rel)!r} is shorter than when it was listed")
             piece = piece + bytes(want - len(piece))
+            self._poisoned.add(self._file)
         self._crc = crc32c_of(piece, self._crc)
         self._done += len(piece)
         if self._done == total:

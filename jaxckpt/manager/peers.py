@@ -131,17 +131,20 @@ class Peers:
 
     def copy(self, info: CheckpointInfo | None, keep: Sequence[str]) -> None:
         """Every process: copy the local checkpoint ``info`` (the newest) to the peers, unless done
-        already; then drop the copies this process holds of checkpoints not in ``keep`` (names)."""
+        already (by this manager, or before a restart: a peer with a whole copy of the same save gets
+        none); then drop the copies this process holds of checkpoints not in ``keep`` (names)."""
         if self.replicas == 0 or info is None or info.path == self.copied:
             return
         self.copied = info.path
+        order, offsets = self._placed()
+        n, me = len(order), multihost.process_index()
         folder, name = Path(info.path), os.path.basename(info.path)
         tag = f"peers/{next(_calls)}/copy"
         header: dict[str, Any] | None = None
         try:
             header = {
-                "origin": multihost.process_index(),
-                "processes": multihost.process_count(),
+                "origin": me,
+                "processes": n,
                 "name": name,
                 "step": info.step,
                 "save": _save_id(folder),
@@ -149,7 +152,11 @@ class Peers:
                 "metrics": dict(info.metrics),
                 "files": peer_files.checkpoint_files(folder),
             }
-            said: dict[str, Any] = {"name": name, "save": header["save"]}
+            mine = peer_files.held(self._local)
+            origins = [order[(order.index(me) - d) % n] for d in offsets]  # whose copies this process holds
+            has = {str(o): mine.get(o, {}).get(name, {}).get("header", {}).get("save") for o in origins}
+            length = peer_files.Outgoing(folder, header).length
+            said: dict[str, Any] = {"name": name, "save": header["save"], "length": length, "has": has}
         except (OSError, JaxckptError) as e:
             said = {"error": f"{type(e).__name__}: {e}"}
         answers = [json.loads(a) for a in multihost.gather(tag, json.dumps(said))]
@@ -159,16 +166,16 @@ class Peers:
             warnings.warn(f"No peer copies of the local checkpoint {name} are made: {why}.", stacklevel=caller_level())
             return
         assert header is not None
-        lengths = [int(x) for x in multihost.gather(f"{tag}/length", str(peer_files.Outgoing(folder, header).length))]
-        order, offsets = self._placed()
-        n, me = len(order), multihost.process_index()
+        lengths = [a["length"] for a in answers]
         failed: list[str] = []
         for d in offsets:
             routes = [(order[i], order[(i + d) % n]) for i in range(n)]
-            origin = {r: s for s, r in routes}[me]
-            problem = self._receive_copy(folder, header, routes, lengths, origin, name)
-            if problem:
-                failed.append(problem)
+            routes = [(s, r) for s, r in routes if answers[r]["has"].get(str(s)) != answers[s]["save"]]
+            if routes:
+                origin = next((s for s, r in routes if r == me), None)
+                problem = self._send_and_receive(folder, header, routes, lengths, origin, name)
+                if problem:
+                    failed.append(problem)
         told = multihost.gather(f"{tag}/done", "; ".join(failed))
         for p, text in enumerate(told):
             if text:
@@ -182,39 +189,50 @@ class Peers:
         except OSError as e:
             warnings.warn(f"Could not remove older peer copies in {str(self._local)!r}: {e}", stacklevel=caller_level())
 
-    def _receive_copy(
+    def _send_and_receive(
         self,
         folder: Path,
         header: Mapping[str, Any],
         routes: list[tuple[int, int]],
         lengths: list[int],
-        origin: int,
+        origin: int | None,
         name: str,
     ) -> str:
-        """One replica: send this process's checkpoint, receive ``origin``'s and put it in place.
-        What went wrong here, or ``""``."""
-        staging = peer_files.staging_folder(self._local, origin, name)
-        incoming = peer_files.Incoming(staging, f"process {origin}'s {name}")
+        """One replica: send this process's checkpoint (if a route starts here), receive ``origin``'s
+        (if one ends here) and put it in place. What went wrong here, or ``""``."""
+        me = multihost.process_index()
+        incoming = staging = None
+        if origin is not None:
+            staging = peer_files.staging_folder(self._local, origin, name)
+            incoming = peer_files.Incoming(staging, f"process {origin}'s {name}")
+            try:
+                staging.mkdir(parents=True)
+            except OSError as e:
+                incoming.error = e
+        outgoing = peer_files.Outgoing(folder, header) if any(s == me for s, _ in routes) else None
         try:
-            staging.mkdir(parents=True)
-        except OSError as e:
-            incoming.error = e
-        outgoing = peer_files.Outgoing(folder, header)
-        try:
-            exchange.transfer(routes, lengths, outgoing.read, incoming.feed, pipeline.host_memory_budget())
+            exchange.transfer(
+                routes,
+                lengths,
+                outgoing.read if outgoing else None,
+                incoming.feed if incoming else None,
+                pipeline.host_memory_budget(),
+            )
         finally:
-            outgoing.close()
+            if outgoing is not None:
+                outgoing.close()
+        sent = f"could not read its own {name}: {outgoing.error}; " if outgoing and outgoing.error else ""
+        if incoming is None or staging is None or origin is None:
+            return sent
         try:
-            if outgoing.error is not None:
-                raise outgoing.error
             got, crcs = incoming.finish()
             if (got.get("origin"), got.get("name")) != (origin, name):
                 raise JaxckptError(f"process {origin} sent {got.get('name')!r} of process {got.get('origin')}")
             peer_files.place(staging, self._local, origin, name, got, crcs)
         except (OSError, JaxckptError) as e:
             local_tree.remove_local(staging)
-            return f"{type(e).__name__}: {e}"
-        return ""
+            return f"{sent}{type(e).__name__}: {e}"
+        return sent
 
     # --- restoring after a host is replaced ---------------------------------------------------------
 
@@ -320,7 +338,7 @@ class Peers:
                 failed.add((p, name, holder))
                 warnings.warn(
                     f"Process {p} could not restore its local checkpoint {name} from the copy that process {holder} "
-                    f"holds: {text}. Another copy, an older checkpoint or the durable tier is used instead.",
+                    f"holds: {text.rstrip('.')}. Another copy, an older checkpoint or the durable tier is used instead.",
                     stacklevel=caller_level(),
                 )
         return failed

@@ -193,10 +193,12 @@ class TwoTiers(OneTier):
         return path
 
     def _copy_to_peers(self) -> None:
-        """After the local save: its peer copies, in the caller's thread (see jaxckpt.manager.peers)."""
-        if not self._options.read_only:
-            infos = self._local.checkpoint_infos
-            self._peers.copy(infos[-1] if infos else None, [os.path.basename(c.path) for c in infos])
+        """After a local save: its peer copies, in the caller's thread (see jaxckpt.manager.peers). Only
+        of a save by this manager, which every process made: after a restore, what each process's
+        local tier lists may differ (a replaced host's), and no process must wait for another."""
+        last, infos = self._local._last_info, self._local.checkpoint_infos
+        if not self._options.read_only and last is not None and any(c.path == last.path for c in infos):
+            self._peers.copy(last, [os.path.basename(c.path) for c in infos])
 
     def _make_room(self) -> None:
         """Under disk pressure, drop local checkpoints the durable tier holds (see the module's
@@ -487,8 +489,7 @@ class TwoTiers(OneTier):
     def close(self) -> None:
         """Finish the local save and the durable copy, then release both directories."""
         try:
-            if self._local._background.settle() and not self._local._background.failed and self._local._release.alive:
-                self._copy_to_peers()
+            self._copy_at_end()
             self._background.settle()  # the copy first: its end may apply the local tier's retention
         finally:
             try:
@@ -496,8 +497,16 @@ class TwoTiers(OneTier):
             finally:
                 super().close()
 
+    def _copy_at_end(self) -> None:
+        """Closing: the peer copies of the last local save, if it succeeded (every process closes alike)."""
+        local = self._local._background
+        if local.settle() and not local.failed and self._local._release.alive:
+            self._copy_to_peers()
+
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         try:
+            if exc_type is None:  # leaving by an exception, another process may never come to copy
+                self._copy_at_end()
             self._background.settle()
         finally:
             try:
