@@ -9,10 +9,12 @@ that both tiers hold step 3. Then, for the same checkpoint:
 - **bucket**: every local directory is wiped; all four restore from the bucket.
 
 Reported: the time of ``restore_or_initialize`` (the slowest process's), and the requests each
-process's proxy (``tests/bucket_proxy.py``) forwarded to the bucket during it.
+process's proxy (``tests/bucket_proxy.py``) forwarded to the bucket during it, and the bytes read.
+Moto on loopback answers as fast as memory; ``--bucket-mib-s`` caps each process's proxy at a rate
+closer to a host's share of a real bucket.
 
     python benchmarks/peers.py                       # 1,024 rows: 4 MiB sharded + 1 MiB replicated
-    python benchmarks/peers.py --rows 16384 --json benchmarks/peers.json
+    python benchmarks/peers.py --rows 4096,32768,65536 --bucket-mib-s 0,200 --json benchmarks/peers.json
 
 ``tests/test_peers.py`` runs the same processes and asserts what they restore and the requests (never the times).
 """
@@ -58,13 +60,16 @@ def run(
     env: Mapping[str, str] | None = None,
     each: Sequence[Mapping[str, str]] | None = None,
     moto_env: Mapping[str, str] | None = None,
+    rate: float | None = None,
     timeout: float = 240,
 ) -> list[dict[str, Any]]:
     """Start ``nproc`` workers (``env`` for all, ``each[i]`` for process ``i``); with ``moto_env``,
-    each through its own counting proxy to the bucket. Returns each process's result, with
+    each through its own counting proxy to the bucket (serving GETs at ``rate`` bytes/s at most). Returns each process's result, with
     ``requests``: what its proxy forwarded after the restore's mark (if a proxy)."""
     proxies = (
-        [bucket_proxy.BucketProxy(moto_env["AWS_ENDPOINT_URL"]) for _ in range(nproc)] if moto_env is not None else []
+        [bucket_proxy.BucketProxy(moto_env["AWS_ENDPOINT_URL"], rate=rate) for _ in range(nproc)]
+        if moto_env is not None
+        else []
     )
     port = _free_port()
     try:
@@ -118,10 +123,10 @@ def run(
             proxy.close()
 
 
-def measure(moto_env: Mapping[str, str], rows: int) -> dict[str, Any]:
+def measure(moto_env: Mapping[str, str], rows: int, rate: float | None = None) -> dict[str, Any]:
     env = {"PEERS_ROWS": str(rows), "PEERS_DURABLE_EVERY": "1"}
     durable = f"s3://{BUCKET}/peers-{uuid.uuid4().hex[:8]}"
-    out: dict[str, Any] = {"rows": rows}
+    out: dict[str, Any] = {"rows": rows, "bucket_bytes_per_s": rate}
     with tempfile.TemporaryDirectory(prefix="jaxckpt-peers-run-") as path:
         run("save", path, durable, env=env, moto_env=moto_env)
         checkpoint = sum(
@@ -131,15 +136,16 @@ def measure(moto_env: Mapping[str, str], rows: int) -> dict[str, Any]:
         )
         out["process_checkpoint_bytes"] = checkpoint
         shutil.rmtree(os.path.join(path, "local-1"))
-        peers = run("restore", path, durable, env=env, moto_env=moto_env)
+        peers = run("restore", path, durable, env=env, moto_env=moto_env, rate=rate)
         for i in range(4):
             shutil.rmtree(os.path.join(path, f"local-{i}"))
-        bucket = run("restore", path, durable, env=env, moto_env=moto_env)
+        bucket = run("restore", path, durable, env=env, moto_env=moto_env, rate=rate)
     for key, results in (("peers", peers), ("bucket", bucket)):
         assert all(r["step"] == 3 for r in results), results
         out[key] = {
             "seconds": max(r["seconds"] for r in results),
             "requests": [r["requests"] for r in results],
+            "bucket_bytes_read": sum(r["bytes_read"] for r in results),
             "restored": results[1]["restored"],
         }
     return out
@@ -148,20 +154,26 @@ def measure(moto_env: Mapping[str, str], rows: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1024", help="rows of 1,024 float32 in the sharded array (commas: several)")
+    parser.add_argument(
+        "--bucket-mib-s", default="0", help="GETs at most this fast per process (0: loopback speed; commas: several)"
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     proc, moto_env = moto_server.start(BUCKET)
     try:
-        results = [measure(moto_env, int(r)) for r in args.rows.split(",")]
+        rates = [float(m) * 2**20 or None for m in args.bucket_mib_s.split(",")]
+        results = [measure(moto_env, int(r), rate) for rate in rates for r in args.rows.split(",")]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     for m in results:
         p, b = m["peers"], m["bucket"]
+        rate = m["bucket_bytes_per_s"]
         print(
+            f"bucket {'loopback' if rate is None else f'{rate / 2**20:g} MiB/s':>10} | "
             f"rows {m['rows']:6} ({m['process_checkpoint_bytes'] / 2**20:6.1f} MiB per process) | from peers "
             f"{p['seconds']:6.2f} s, bucket requests {p['requests']} | from the bucket {b['seconds']:6.2f} s, "
-            f"requests {b['requests']} | {b['seconds'] / p['seconds']:.1f}x"
+            f"requests {b['requests']}, {b['bucket_bytes_read'] / 2**20:.1f} MiB read"
         )
     if args.json:
         with open(args.json, "w") as f:
