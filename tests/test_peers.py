@@ -145,3 +145,15 @@ def test_a_damaged_peer_copy_is_found_and_another_copy_or_the_durable_tier_serve
     for r in results:
         said = " ".join(r["warnings"])
         assert "process 2 holds" in said and "process 3 holds" in said and "lacks process 1's part" in said, said
+
+
+def test_local_replicas_is_an_option_of_two_tiers_and_nothing_to_do_with_one_process(tmp_path):
+    ckpt = jaxckpt.Checkpoint(w=np.arange(3))
+    with pytest.raises(ValueError, match="local_replicas is an option of two tiers"):
+        jaxckpt.CheckpointManager(ckpt, tmp_path / "d", local_replicas=1)
+    with pytest.raises(ValueError, match="local_replicas must be a whole number"):
+        jaxckpt.CheckpointManager(ckpt, tmp_path / "d", local_directory=tmp_path / "l", local_replicas=True)
+    with jaxckpt.CheckpointManager(ckpt, tmp_path / "d", local_directory=tmp_path / "l", local_replicas=2) as manager:
+        manager.save(step=1)
+        manager.wait_until_finished()
+    assert not (tmp_path / "l" / peer_files.PEERS).exists()  # one process: no peer to copy to
