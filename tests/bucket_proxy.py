@@ -8,6 +8,7 @@ network misbehaves. For the tests and for ``benchmarks/buckets.py``.
     proxy.requests                                 # [("GET", "/bucket/run/index.json"), ...]
     proxy.bytes_read, proxy.bytes_written          # bodies of answers to GETs, of PUTs and POSTs
     proxy.faults = lambda method, path: 503 if ... else None   # or "reset"
+    BucketProxy(endpoint, rate=200 * 2**20)        # answers to GETs at most 200 MiB/s in all (a host's share of a bucket)
     proxy.close()
 """
 
@@ -19,6 +20,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 
@@ -29,8 +31,12 @@ _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encodin
 
 
 class BucketProxy:
-    def __init__(self, upstream: str, faults: Callable[[str, str], Fault] | None = None) -> None:
+    def __init__(
+        self, upstream: str, faults: Callable[[str, str], Fault] | None = None, rate: float | None = None
+    ) -> None:
         self.upstream = upstream
+        self.rate = rate  # bytes per second of GET answers' bodies, over all connections (None: as fast as it goes)
+        self._free_at = 0.0  # when the bodies sent so far have had their time at that rate
         target = urllib.parse.urlsplit(upstream)
         self.upstream_host = target.hostname or "127.0.0.1"
         self.upstream_port = target.port or 80
@@ -77,6 +83,16 @@ class BucketProxy:
                 self.bytes_written += sent
             elif method == "GET":
                 self.bytes_read += received
+
+    def _throttle(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more of answers fit the rate (one queue for all connections)."""
+        if self.rate is None or nbytes == 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(self._free_at, now) + nbytes / self.rate
+            wait = self._free_at - now
+        time.sleep(wait)
 
     def _record(self, method: str, path: str) -> Fault:
         with self._lock:
@@ -131,6 +147,8 @@ def _handler(proxy: BucketProxy) -> type[http.server.BaseHTTPRequestHandler]:
                 self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if not head:
+                if self.command == "GET":
+                    proxy._throttle(len(data))
                 self.wfile.write(data)
 
         def _upstream_exchange(self, body: bytes, headers: dict[str, str]) -> tuple[http.client.HTTPResponse, bytes]:

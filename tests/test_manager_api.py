@@ -38,6 +38,7 @@ PARAMETERS = {
     "metadata": None,
     "incremental": True,
     "save_dtypes": None,
+    "local_replicas": None,
 }
 
 # The public calls and attributes, on a manager of one tier or two alike.

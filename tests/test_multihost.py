@@ -307,7 +307,8 @@ def test_a_process_killed_mid_save_publishes_nothing(tmp_path, saved_by_two):
 def test_two_tiers_across_processes_restore_locally_only_if_every_process_can(tmp_path):
     """Each process keeps its own local tier (its regions, the packs, the index); the durable copy is
     the checkpoint all of them would have saved there. A restart restores the local step only if every
-    process has it; when one lost its local tier, every process restores the durable one."""
+    process has it (or, for a process that lost its local tier, a peer holds a copy of its part);
+    otherwise every process restores the durable one."""
     ok(run("tiers-save", tmp_path, nproc=2, ndev=2, mesh="2x2"), "tiers-save")
     durable = tmp_path / "durable"
     # The durable ckpt-8 is one whole checkpoint: one process without the others reads all of it.
@@ -333,11 +334,11 @@ def test_two_tiers_across_processes_restore_locally_only_if_every_process_can(tm
         assert f"restored {durable / 'ckpt-8'} at step 8" in out, out
     import shutil
 
-    shutil.rmtree(tmp_path / "local-1")  # process 1's host was replaced
+    shutil.rmtree(tmp_path / "local-1")  # process 1's host was replaced: process 0 holds its peer copy of ckpt-8
     results = run("tiers-restore", tmp_path, nproc=2, ndev=2, mesh="2x2")
     ok(results, "tiers-restore")
-    for _, out in results:
-        assert f"restored {durable / 'ckpt-8'} at step 8" in out, out
+    for i, (_, out) in enumerate(results):
+        assert f"restored {tmp_path / f'local-{i}' / 'ckpt-8'} at step 8" in out, out
 
 
 def test_two_tiers_start_while_process_0_cleans_the_durable_folder(tmp_path):

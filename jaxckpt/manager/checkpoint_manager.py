@@ -94,8 +94,10 @@ class CheckpointManager:
     ``durable_interval_steps``-th step is then copied to ``directory`` (a bucket, say) in the
     background, kept by ``max_to_keep`` and ``policies``; restores take the newest checkpoint in
     either tier, falling back to the durable one if the local one is damaged (:mod:`jaxckpt.manager.tiers`).
-    Without ``local_directory``, ``local_policies``, ``durable_interval_steps`` and
-    ``preemption_grace_s`` have nothing to apply to: giving one raises ValueError.
+    With several processes, each one's newest local checkpoint is also copied to ``local_replicas``
+    peers, from which a replaced host restores it (:mod:`jaxckpt.manager.peers`). Without
+    ``local_directory``, ``local_policies``, ``durable_interval_steps``, ``preemption_grace_s`` and
+    ``local_replicas`` have nothing to apply to: giving one raises ValueError.
 
     ``save_on_preemption=True`` turns SIGTERM into a notice that the loop polls at step boundaries
     (:class:`PreemptionHandler`, put back by :meth:`close`): :meth:`save_if_preempted` then saves,
@@ -131,6 +133,8 @@ class CheckpointManager:
         durable_interval_steps: copy the checkpoints of every ``n``-th step to ``directory``
             (default: every checkpoint).
         preemption_grace_s: how long :meth:`save_if_preempted` waits for the durable copy (30 s by default).
+        local_replicas: with several processes, how many peer processes keep a copy of each one's
+            newest local checkpoint, for a host that is replaced (default 1; :mod:`jaxckpt.manager.peers`).
         metadata: the run's configuration (JSON), recorded once for the directory.
         incremental: on a local disk, hard-link the files of every large ``jax.Array`` that is the very
             object this manager last saved or that a restore of one of its checkpoints returned, and
@@ -169,6 +173,7 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         incremental: bool = True,
         save_dtypes: SaveDtypes = None,
+        local_replicas: int | None = None,
     ) -> None:
         options = ManagerOptions.check(  # before any directory is touched
             max_to_keep=max_to_keep,
@@ -201,6 +206,7 @@ class CheckpointManager:
                     "local_policies": local_policies != (),
                     "durable_interval_steps": durable_interval_steps is not None,
                     "preemption_grace_s": preemption_grace_s != PREEMPTION_GRACE_S,
+                    "local_replicas": local_replicas is not None,
                 }
                 for name, was_given in given.items():
                     if was_given:
@@ -218,6 +224,7 @@ class CheckpointManager:
                     local_policies=local_policies,
                     durable_interval_steps=durable_interval_steps,
                     preemption_grace_s=preemption_grace_s,
+                    local_replicas=local_replicas,
                     **rest,
                 )
         except BaseException as e:

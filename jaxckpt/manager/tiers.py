@@ -38,7 +38,9 @@ oldest first (never the newest, nor one being copied).
 the durable tier, process 0 the index last, so the durable checkpoint is the one a save by all of
 them there would have made. A restore uses the local step only if every process lists it and could
 read its own copy; otherwise every process restores the newest durable checkpoint (which also
-serves another mesh or process count).
+serves another mesh or process count). ``local_replicas`` peer processes (1 by default) also keep a
+copy of each process's newest local checkpoint, so that a replaced host gets its part back from a
+peer instead of the run falling back to the durable tier (:mod:`jaxckpt.manager.peers`).
 
 **Listing.** Each directory holds a ``checkpoint.tiers`` file naming both: ``jaxckpt ls`` on either shows both.
 
@@ -71,6 +73,7 @@ from jaxckpt.incremental import copy_memory, memories, refs
 from jaxckpt.manager import durable_copy
 from jaxckpt.manager.one_tier import OneTier
 from jaxckpt.manager.options import ManagerOptions
+from jaxckpt.manager.peers import Peers
 from jaxckpt.manager.policies import KeepAny, KeepLatest, RetentionPolicy, positive_int
 from jaxckpt.reading.reader import AFTER_READ
 from jaxckpt.runtime import multihost
@@ -94,6 +97,7 @@ class _HostTier(OneTier):
     def _make_room_to_save(self) -> None:
         tiers = self._tiers() if self._tiers is not None else None
         if tiers is not None:
+            tiers._copy_to_peers()  # every process alike: a due save's decision is the same on all
             tiers._make_room()
 
 
@@ -115,7 +119,9 @@ class TwoTiers(OneTier):
         last_checkpoint_step: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         incremental: bool = True,
+        local_replicas: int | None = None,
     ) -> None:
+        peers = Peers(os.fspath(local_directory), local_replicas)  # checks local_replicas
         if durable_interval_steps is not None:
             positive_int("durable_interval_steps", durable_interval_steps)
         if not preemption_grace_s >= 0:
@@ -156,6 +162,7 @@ class TwoTiers(OneTier):
         # The durable tier's saves are copies, in a thread of their own (see jaxckpt.runtime.background).
         self._background = Background("durable copy", pool="copy")
         self._every = durable_interval_steps
+        self._peers = peers
         self._grace = preemption_grace_s
         self._copy_lock = threading.Lock()
         self._copying = False  # a copy job runs (or is queued)
@@ -185,7 +192,9 @@ class TwoTiers(OneTier):
         durable tier (``durable_interval_steps``, or ``force``), copy it there in the background."""
         self._report_failed_copy()
         self._warn_failed_deletes()  # the durable tier's, which no save of its own reports
-        path = self._local.save(  # a save that is due makes room once the last local one is done
+        # A save that is due, once the last local one is done, copies that one to the peers and makes
+        # room (_make_room_to_save); one that is not due waits for nothing.
+        path = self._local.save(
             checkpoint_number, check_interval, step=step, force=force, metrics=metrics, save_dtypes=save_dtypes
         )
         info = self._local._last_info
@@ -194,6 +203,14 @@ class TwoTiers(OneTier):
         if force or self._every is None or info.step % self._every == 0:
             self._copy_later(info)
         return path
+
+    def _copy_to_peers(self) -> None:
+        """After a local save: its peer copies, in the caller's thread (see jaxckpt.manager.peers). Only
+        of a save by this manager, which every process made: after a restore, what each process's
+        local tier lists may differ (a replaced host's), and no process must wait for another."""
+        last, infos = self._local._last_info, self._local.checkpoint_infos
+        if not self._options.read_only and last is not None and any(c.path == last.path for c in infos):
+            self._peers.copy(last, [os.path.basename(c.path) for c in infos])
 
     def _make_room(self) -> None:
         """Under disk pressure, drop local checkpoints the durable tier holds (see the module's
@@ -291,6 +308,7 @@ class TwoTiers(OneTier):
         raise an error of one of them."""
         try:
             self._local.wait_until_finished()
+            self._copy_to_peers()
         finally:
             try:
                 self._background.wait()
@@ -340,12 +358,9 @@ class TwoTiers(OneTier):
             self._background.settle()
         local = [c for c in self._local.checkpoint_infos if step is None or c.step == step]
         durable = [c for c in self._infos if step is None or c.step == step]
-        if agree and multihost.process_count() > 1:
-            steps = multihost.gather(
-                f"tiers/{self._directory}/{next(self._restores)}", str(local[-1].step if local else "")
-            )
-            if len(set(steps)) != 1:
-                local = []
+        if agree and multihost.process_count() > 1:  # the newest that every process has or gets from a peer
+            found = self._peers.recover(self._local, step, durable[-1] if durable else None, self._options.read_only)
+            local = [found] if found is not None else []
         out = []
         if local and (not durable or local[-1].step >= durable[-1].step):
             out.append(local[-1])
@@ -389,7 +404,7 @@ class TwoTiers(OneTier):
                     stacklevel=caller_level(),
                 )
                 continue
-            if i > 0:  # the local tier's newer checkpoints belong to a run that is not continued
+            if i > 0 or step is None:  # the local tier's newer checkpoints belong to a run that is not continued
                 self._drop_local_after(info.step)
             self._restored()
             self._local._restored()
@@ -486,6 +501,7 @@ class TwoTiers(OneTier):
     def close(self) -> None:
         """Finish the local save and the durable copy, then release both directories."""
         try:
+            self._copy_at_end()
             self._background.settle()  # the copy first: its end may apply the local tier's retention
         finally:
             try:
@@ -493,8 +509,16 @@ class TwoTiers(OneTier):
             finally:
                 super().close()
 
+    def _copy_at_end(self) -> None:
+        """Closing: the peer copies of the last local save, if it succeeded (every process closes alike)."""
+        local = self._local._background
+        if local.settle() and not local.failed and self._local._release.alive:
+            self._copy_to_peers()
+
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         try:
+            if exc_type is None:  # leaving by an exception, another process may never come to copy
+                self._copy_at_end()
             self._background.settle()
         finally:
             try:
