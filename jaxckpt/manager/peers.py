@@ -210,17 +210,7 @@ class Peers:
             except OSError as e:
                 incoming.error = e
         outgoing = peer_files.Outgoing(folder, header) if any(s == me for s, _ in routes) else None
-        try:
-            exchange.transfer(
-                routes,
-                lengths,
-                outgoing.read if outgoing else None,
-                incoming.feed if incoming else None,
-                pipeline.host_memory_budget(),
-            )
-        finally:
-            if outgoing is not None:
-                outgoing.close()
+        _transfer(routes, lengths, outgoing, incoming)
         sent = f"could not read its own {name}: {outgoing.error}; " if outgoing and outgoing.error else ""
         if incoming is None or staging is None or origin is None:
             return sent
@@ -312,17 +302,7 @@ class Peers:
                     staging.mkdir(parents=True)
                 except OSError as e:
                     incoming.error = e
-            try:
-                exchange.transfer(
-                    routes,
-                    lengths,
-                    outgoing.read if outgoing else None,
-                    incoming.feed if incoming else None,
-                    pipeline.host_memory_budget(),
-                )
-            finally:
-                if outgoing is not None:
-                    outgoing.close()
+            _transfer(routes, lengths, outgoing, incoming)
             if incoming is not None and staging is not None:
                 try:
                     got, _ = incoming.finish()
@@ -408,3 +388,24 @@ def _adopt(tier: Any, staging: Path, header: Mapping[str, Any]) -> None:
         infos = sorted([c for c in tier._infos if c.step != info.step] + [info], key=lambda c: c.step)
         statefile.write_state(tier._path, infos, tier._last_preserved)
         tier._infos = infos
+
+
+def _transfer(
+    routes: Sequence[tuple[int, int]],
+    lengths: Sequence[int],
+    outgoing: peer_files.Outgoing | None,
+    incoming: peer_files.Incoming | None,
+) -> None:
+    """This process's part of one exchange (every process calls it alike): its stream out, if it
+    sends, and the one it receives, if it does; its files closed however the exchange ends."""
+    try:
+        exchange.transfer(
+            routes,
+            lengths,
+            outgoing.read if outgoing else None,
+            incoming.feed if incoming else None,
+            pipeline.host_memory_budget(),
+        )
+    finally:
+        if outgoing is not None:
+            outgoing.close()

@@ -50,23 +50,32 @@ def spread(sharding: Any, shape: tuple[int, ...], itemsize: int) -> jax.sharding
     return _spread(sharding, tuple(shape), nbytes)
 
 
+def spec_axes(spec: Any, ndim: int) -> list[tuple[str, ...]] | None:
+    """A ``PartitionSpec`` for ``ndim`` dimensions as the mesh axes that split each (empty: not
+    split); None for one that names no axes that way (longer than ``ndim``, ``UNCONSTRAINED``)."""
+    if len(spec) > ndim:
+        return None
+    out: list[tuple[str, ...]] = []
+    for entry in (*spec, *[None] * (ndim - len(spec))):
+        if entry is None:
+            out.append(())
+        elif isinstance(entry, str):
+            out.append((entry,))
+        elif isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
+            out.append(entry)
+        else:
+            return None
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def _spread(
     sharding: jax.sharding.NamedSharding, shape: tuple[int, ...], nbytes: int
 ) -> jax.sharding.NamedSharding | None:
     mesh = sharding.mesh
-    if len(sharding.spec) > len(shape):
+    spec = spec_axes(sharding.spec, len(shape))
+    if spec is None:
         return None
-    spec: list[tuple[str, ...]] = []
-    for entry in (*sharding.spec, *[None] * (len(shape) - len(sharding.spec))):
-        if entry is None:
-            spec.append(())
-        elif isinstance(entry, str):
-            spec.append((entry,))
-        elif isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
-            spec.append(entry)
-        else:
-            return None  # PartitionSpec.UNCONSTRAINED and the like
     used = {a for axes in spec for a in axes}
     processes = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))

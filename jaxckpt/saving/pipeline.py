@@ -36,6 +36,7 @@ from jaxckpt.format.records import (
     data_store,
 )
 from jaxckpt.runtime import multihost
+from jaxckpt.runtime.spread import spec_axes
 from jaxckpt.saving import process_states
 from jaxckpt.saving import staging as _staging
 from jaxckpt.saving.reuse import Linked, Reuse, arrays_of_their_own
@@ -110,18 +111,9 @@ def _layout(
     if not isinstance(sharding, jax.sharding.NamedSharding) or not isinstance(sharding.mesh, jax.sharding.Mesh):
         return None
     mesh = sharding.mesh
-    if not all(isinstance(a, str) for a in mesh.axis_names) or len(sharding.spec) > x.ndim:
+    spec = spec_axes(sharding.spec, x.ndim)
+    if not all(isinstance(a, str) for a in mesh.axis_names) or spec is None:
         return None
-    spec: list[tuple[str, ...]] = []
-    for entry in (*sharding.spec, *[None] * (x.ndim - len(sharding.spec))):
-        if entry is None:
-            spec.append(())
-        elif isinstance(entry, str):
-            spec.append((entry,))
-        elif isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
-            spec.append(entry)
-        else:
-            return None
     known = meshes.get(id(mesh))
     if known is None:
         devices = list(mesh.devices.flat)
