@@ -16,8 +16,8 @@ there are several domains.
 
 **When.** A copy travels over JAX's collectives (:mod:`jaxckpt.runtime.exchange`), so it runs in
 the caller's thread, at calls that every process makes in the same order: the next
-:meth:`~jaxckpt.CheckpointManager.save` (once the previous local save is done, which that call
-waits for anyway), :meth:`~jaxckpt.CheckpointManager.wait_until_finished` and
+:meth:`~jaxckpt.CheckpointManager.save` that is due (once the previous local save is done, which that
+call waits for anyway; every process decides alike whether a save is due), :meth:`~jaxckpt.CheckpointManager.wait_until_finished` and
 :meth:`~jaxckpt.CheckpointManager.close`. A background thread would be free of that wait, but its
 collectives could interleave with the training step's own collectives in another order on another
 process, and both would wait for ever. The newest local checkpoint is copied, once; its copies are
