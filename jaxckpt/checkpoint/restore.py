@@ -22,6 +22,7 @@ from jaxckpt.checkpoint.foreign_keys import foreign_matches
 from jaxckpt.format.keys import CHECKPOINT, DICT, join, unescape_edge
 from jaxckpt.format.records import NUMPY, ArrayLeaf, Index, InForeign, Leaf, ValueLeaf, scalar_type
 from jaxckpt.interop import formats
+from jaxckpt.reading import shared
 from jaxckpt.reading.open import ForeignOpened, open_latest
 from jaxckpt.reading.reader import Opened
 from jaxckpt.reading.templates import NO_TEMPLATE, PLACEHOLDER
@@ -285,8 +286,7 @@ def restore(
     rest. jaxckpt does so for checkpoints in buckets, not on local paths; ``share_reads=True`` or
     ``False`` forces either (``JAXCKPT_SHARE_READS`` does for every restore). See the sharding guide.
     """
-    if share_reads is not None and not isinstance(share_reads, bool):
-        raise TypeError(f"share_reads must be True, False or None (jaxckpt chooses), not {share_reads!r}.")
+    share_reads = shared.check_setting(share_reads)
     if path is None:  # what latest_checkpoint returns for a directory without checkpoints
         raise CheckpointNotFoundError(
             "restore(None): there is no checkpoint to restore. jaxckpt.latest_checkpoint returns None when a "

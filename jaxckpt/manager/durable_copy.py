@@ -116,7 +116,7 @@ def copy_checkpoint(
             for store, arrays in refs.items():
                 _kvstore.kv_write((staging / store).spec(), refs_json.REFS_FILE, refs_json.encode(save or "", arrays))
         except BaseException as e:
-            _failed_to_copy(name, e)  # the others wait below for this one's part: come, and say why it failed
+            multihost.written(name, e, 0)  # the others wait below for this one's part: come, and say why it failed
             raise
         # Every process's files are in place, or all raise (the deadline: this process's bytes, as its peers').
         multihost.written(name, None, nbytes)
@@ -250,11 +250,3 @@ def _stream_durable(path: Path, target: Path) -> int:
         except OSError as e:
             raise locations.storage_failure(f"Cannot write {str(target)!r}", e, "") from e
     return copied
-
-
-def _failed_to_copy(name: str, error: BaseException) -> None:
-    """Tell the other processes copying ``name`` that this one failed (they raise too; none publishes)."""
-    try:
-        multihost.written(name, error, 0)
-    except Exception:  # the caller raises its own error, which says more
-        pass

@@ -51,9 +51,14 @@ def enabled(location: locations.Location, setting: bool | None) -> bool:
                 "leave it unset for jaxckpt to choose (share reads from buckets)."
             )
         setting = (said in _YES) if said else location.local is None
-    elif not isinstance(setting, bool):
-        raise TypeError(f"share_reads must be True, False or None (jaxckpt chooses), not {setting!r}.")
     return setting and jax.process_count() > 1
+
+
+def check_setting(setting: Any) -> bool | None:
+    """``share_reads=`` as a public call takes it: True, False, or None (jaxckpt chooses)."""
+    if setting is not None and not isinstance(setting, bool):
+        raise TypeError(f"share_reads must be True, False or None (jaxckpt chooses), not {setting!r}.")
+    return setting
 
 
 def read_sharding(sharding: Any, shape: tuple[int, ...], itemsize: int) -> jax.sharding.NamedSharding | None:

@@ -93,12 +93,13 @@ def barrier(name: str, nbytes: int = 0) -> None:
     """Wait until every process has reached the barrier ``name``, at most :func:`timeout_ms` for
     ``nbytes`` (what the slowest process has to move before it comes)."""
     if process_count() > 1:
-        phase(f"waiting at barrier {name!r}")
+        waiting = f"waiting at barrier {name!r}"
+        phase(waiting)
         timeout = timeout_ms(nbytes)
         try:
             _client().wait_at_barrier(f"jaxckpt/{name}", timeout)
         except Exception as e:
-            raise _stuck(e, f"barrier {name!r}", None, timeout) from e
+            raise _stuck(e, f"barrier {name!r}", None, timeout, waiting) from e
 
 
 def _get(key: str, what: str, process: int) -> str:
@@ -110,10 +111,10 @@ def _get(key: str, what: str, process: int) -> str:
         raise _stuck(e, what, process, timeout) from e
 
 
-def _stuck(error: Exception, what: str, process: int | None, timeout: int) -> Exception:
+def _stuck(error: Exception, what: str, process: int | None, timeout: int, waiting: str = "") -> Exception:
     """A wait for other processes that timed out: a JaxckptError that names the processes that did
-    not come (``process``, or for a barrier every process not waiting there) and what each last said
-    it was doing (:func:`phase`); any other error as it is."""
+    not come (``process``, or for a barrier every process whose phase is not ``waiting``, the one
+    it says there) and what each last said it was doing (:func:`phase`); any other error as it is."""
     if "DEADLINE_EXCEEDED" not in str(error):
         return error
     me, now = process_index(), time.time()
@@ -121,7 +122,6 @@ def _stuck(error: Exception, what: str, process: int | None, timeout: int) -> Ex
     if process is not None:
         late = [process]
     else:  # a barrier: those not waiting at it
-        waiting = f"waiting at barrier {what.split(' ', 1)[1]}"
         late = [p for p in range(process_count()) if p != me and said.get(p, ("", 0.0))[0] != waiting]
     news = "; ".join(
         f"process {p} last said it was {said[p][0]} ({now - said[p][1]:.0f} s ago)"
@@ -173,13 +173,18 @@ def tokens_taken() -> int:
     return _taken.count
 
 
+def _said(error: BaseException) -> str:
+    """What a process tells the others of its ``error`` (bounded: a value in the key-value store)."""
+    return f"{type(error).__name__}: {error}"[:2000]
+
+
 def _report(token: str, error: BaseException | None, stage: str = "prepared", nbytes: int = 0) -> None:
     """Every process says how its part of the save with ``token`` went up to ``stage``; raise if any
     process's failed. ``nbytes``: the most any process has to write before it comes (its deadline)."""
     client = _client()
     me = process_index()
     if error is not None:
-        client.key_value_set(f"jaxckpt/failed/{token}/{stage}/{me}", f"{type(error).__name__}: {error}"[:2000])
+        client.key_value_set(f"jaxckpt/failed/{token}/{stage}/{me}", _said(error))
     barrier(f"{token}/{stage}", nbytes)
     failures = sorted(client.key_value_dir_get(f"jaxckpt/failed/{token}/{stage}/"))
     if failures and error is None:
@@ -194,9 +199,14 @@ def _report(token: str, error: BaseException | None, stage: str = "prepared", nb
 def written(token: str, error: BaseException | None, nbytes: int) -> None:
     """After a process wrote its part of the save ``token`` (or failed to: ``error``, which the caller
     raises): wait for every process's, at most :func:`timeout_ms` for ``nbytes``, and raise if any
-    failed, so that none publishes a checkpoint that lacks a part and all raise at the same call."""
+    failed, so that none publishes a checkpoint that lacks a part and all raise at the same call.
+    A process that failed only tells the others: its own error says more than any from this wait."""
     if process_count() > 1:
-        _report(token, error, "written", nbytes)
+        try:
+            _report(token, error, "written", nbytes)
+        except Exception:
+            if error is None:
+                raise
 
 
 def agree(token: str) -> None:
@@ -292,7 +302,7 @@ def outcome(kind: str, what: str, error: BaseException | None) -> None:
     nothing to do. Agreements of one ``kind`` are numbered in call order, alike on every process."""
     if process_count() == 1:
         return
-    said = "" if error is None else f"{type(error).__name__}: {error}"[:2000]
+    said = "" if error is None else _said(error)
     answers = gather(f"{kind}/{next(_outcomes.setdefault(kind, itertools.count()))}", said)
     failed = [(p, answer) for p, answer in enumerate(answers) if answer]
     if error is None and failed:
@@ -344,7 +354,7 @@ def primary_decides(what: str, decide: Callable[[], bool]) -> bool:
         try:
             answer = decide()
         except BaseException as e:  # the others raise too, rather than wait for an answer
-            client.key_value_set(key, f"!{type(e).__name__}: {e}"[:2000])
+            client.key_value_set(key, "!" + _said(e))
             raise
         client.key_value_set(key, "1" if answer else "0")
         return answer

@@ -483,7 +483,7 @@ def write_and_publish(p: Prepared) -> str:
                 p.uses = p.memory.uses(p.token, p.records.writers.values())
                 p.index.refs = bool(p.uses)
         except BaseException as e:
-            _failed_to_write(p.token, e)  # the others wait at the barrier below: come, and say why this one failed
+            multihost.written(p.token, e, 0)  # the others wait at the barrier below: come, and say why this one failed
             raise
         multihost.written(p.token, None, nbytes)  # every process's bytes are durable, or all raise
         if not p.own_copy:  # an own copy holds this process's states only, as they are
@@ -502,15 +502,6 @@ def write_and_publish(p: Prepared) -> str:
     finally:
         p.end_pause()
     return p.path
-
-
-def _failed_to_write(token: str, error: BaseException) -> None:
-    """Tell the other processes of the save ``token`` that this one failed to write its part (they
-    then raise too, and none publishes); the caller raises ``error``, which says more than theirs."""
-    try:
-        multihost.written(token, error, 0)
-    except Exception:
-        pass
 
 
 def write(dest: locations.Location, root: Any, *, overwrite: bool = False, budget: int | None = None) -> str:
