@@ -25,12 +25,8 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,16 +35,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # moto_server, bucket_proxy
 import bucket_proxy  # noqa: E402
 import moto_server  # noqa: E402
+import processes  # noqa: E402
 
 WORKER = os.path.join(HERE, "peers_worker.py")
 BUCKET = "jaxckpt-peers"
 MARK = "/jaxckpt-peers-mark/restore"  # fetched by each worker just before its restore
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(
@@ -71,46 +62,23 @@ def run(
         if moto_env is not None
         else []
     )
-    port = _free_port()
+    port = processes.free_port()
     try:
-        with tempfile.TemporaryDirectory(prefix="jaxckpt-peers-") as logs:
-            files = [open(os.path.join(logs, f"{i}.log"), "w+") for i in range(nproc)]
-            procs = []
-            for i in range(nproc):
-                e = {**os.environ, **(moto_env or {}), **(env or {}), **(each[i] if each else {})}
-                e.pop("XLA_FLAGS", None)
-                if proxies:
-                    e["AWS_ENDPOINT_URL"] = proxies[i].endpoint
-                    e["PEERS_MARK"] = proxies[i].endpoint + MARK
-                argv = [sys.executable, WORKER, mode, str(i), str(nproc), str(port), path, durable]
-                procs.append(subprocess.Popen(argv, stdout=files[i], stderr=subprocess.STDOUT, text=True, env=e))
-            deadline = time.monotonic() + timeout
-            outputs = []
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    for q in procs:
-                        q.send_signal(signal.SIGUSR1)  # the worker prints its threads' stacks
-                    time.sleep(3)
-                    for q in procs:
-                        q.kill()
-                    logs = []
-                    for i, f in enumerate(files):
-                        f.seek(0)
-                        logs.append(f"--- process {i}:\n{f.read()[-6000:]}")
-                    raise RuntimeError(
-                        f"{mode}: the processes did not finish in {timeout} s:\n" + "\n".join(logs)
-                    ) from None
-            for f in files:
-                f.seek(0)
-                outputs.append(f.read())
-                f.close()
+        envs, argvs = [], []
+        for i in range(nproc):
+            e = {**os.environ, **(moto_env or {}), **(env or {}), **(each[i] if each else {})}
+            e.pop("XLA_FLAGS", None)
+            if proxies:
+                e["AWS_ENDPOINT_URL"] = proxies[i].endpoint
+                e["PEERS_MARK"] = proxies[i].endpoint + MARK
+            envs.append(e)
+            argvs.append([sys.executable, WORKER, mode, str(i), str(nproc), str(port), path, durable])
+        done = processes.start_and_wait(argvs, envs, timeout, mode)
         results = []
-        for i, (p, out) in enumerate(zip(procs, outputs)):
-            if p.returncode != 0 or "result " not in out:
-                raise RuntimeError(f"{mode}: process {i} failed (exit {p.returncode}):\n{out[-4000:]}")
-            result = json.loads(out.rsplit("result ", 1)[1].splitlines()[0])
+        for i, (code, out) in enumerate(done):
+            if code != 0 or "result " not in out:
+                raise RuntimeError(f"{mode}: process {i} failed (exit {code}):\n{out[-4000:]}")
+            result = processes.result_of(out)
             if proxies:
                 seen = proxies[i].requests
                 after = [r for r in seen[[r[1] for r in seen].index(MARK) + 1 :]] if mode == "restore" else seen

@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from typing import Any
 
@@ -29,15 +26,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # moto_server,
 
 import bucket_proxy  # noqa: E402
 import moto_server  # noqa: E402
+import processes  # noqa: E402
 
 WORKER = os.path.join(HERE, "pod_worker.py")
 BUCKET = "jaxckpt-pod"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(
@@ -58,35 +50,24 @@ def run(
     proxy's fault rule (see ``tests/bucket_proxy.py``). ``failing``: return each process's exit status
     and output instead of raising when one fails."""
     proxies = [bucket_proxy.BucketProxy(moto_env["AWS_ENDPOINT_URL"], (faults or {}).get(i)) for i in range(nproc)]
-    port = _free_port()
+    port = processes.free_port()
     try:
-        with tempfile.TemporaryDirectory(prefix="jaxckpt-pod-") as logs:
-            files = [open(os.path.join(logs, f"{i}.log"), "w+") for i in range(nproc)]
-            procs = []
-            for i in range(nproc):
-                env = {**os.environ, **moto_env, "AWS_ENDPOINT_URL": proxies[i].endpoint, "POD_ROWS": str(rows)}
-                env.pop("XLA_FLAGS", None)
-                argv = [sys.executable, WORKER, action, layout, str(i), str(nproc), str(port), url, share]
-                procs.append(subprocess.Popen(argv, stdout=files[i], stderr=subprocess.STDOUT, text=True, env=env))
-            deadline = time.monotonic() + timeout
-            outputs = []
-            for p, f in zip(procs, files):
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    for q in procs:
-                        q.kill()
-                    raise
-                f.seek(0)
-                outputs.append(f.read())
-                f.close()
+        envs = []
+        for i in range(nproc):
+            env = {**os.environ, **moto_env, "AWS_ENDPOINT_URL": proxies[i].endpoint, "POD_ROWS": str(rows)}
+            env.pop("XLA_FLAGS", None)
+            envs.append(env)
+        argvs = [
+            [sys.executable, WORKER, action, layout, str(i), str(nproc), str(port), url, share] for i in range(nproc)
+        ]
+        done = processes.start_and_wait(argvs, envs, timeout, f"{action} {layout}")
         if failing:
-            return [{"returncode": p.returncode, "output": out} for p, out in zip(procs, outputs)]
+            return [{"returncode": code, "output": out} for code, out in done]
         results = []
-        for i, (p, out) in enumerate(zip(procs, outputs)):
-            if p.returncode != 0 or "result " not in out:
-                raise RuntimeError(f"{action} {layout}: process {i} failed (exit {p.returncode}):\n{out[-4000:]}")
-            result = json.loads(out.rsplit("result ", 1)[1].splitlines()[0])
+        for i, (code, out) in enumerate(done):
+            if code != 0 or "result " not in out:
+                raise RuntimeError(f"{action} {layout}: process {i} failed (exit {code}):\n{out[-4000:]}")
+            result = processes.result_of(out)
             proxy = proxies[i]
             result.update(
                 bytes_read=proxy.bytes_read,
