@@ -256,7 +256,7 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
             return None
         self._background.wait()  # the previous save is recorded (or its error raised) before numbering
         self._warn_failed_deletes()
-        self._make_room_to_save()
+        self._before_due_save()
         recorded = check_metrics(metrics)  # refuse bad metrics before anything is written
         counter = self._counter_before = self._checkpoint.save_counter
         number = self._options.next_number(checkpoint_number, counter, self._infos)
@@ -285,9 +285,10 @@ class OneTier(PreemptionSaves, OrbaxCalls, RetentionCalls):
         self._since = self._options.clock()
         return prepared, CheckpointInfo(path, number if step is None else step, self._since, recorded)
 
-    def _make_room_to_save(self) -> None:
-        """Before a save that is due, once the previous one is done: nothing here (two tiers' local
-        tier drops what the durable tier holds, under disk pressure)."""
+    def _before_due_save(self) -> None:
+        """Before a save that is due, once the previous one is done (every process alike): nothing
+        here (two tiers' local tier copies that one to its peers, and under disk pressure drops what
+        the durable tier holds)."""
 
     # --- the Orbax-style surface: checkpoints by step ---------------------------------------------
 

@@ -94,7 +94,7 @@ class _HostTier(OneTier):
     _own_copy = True
     _tiers: weakref.ref[TwoTiers] | None = None  # the manager of both (weak: no cycle keeps it alive)
 
-    def _make_room_to_save(self) -> None:
+    def _before_due_save(self) -> None:
         tiers = self._tiers() if self._tiers is not None else None
         if tiers is not None:
             tiers._copy_to_peers()  # every process alike: a due save's decision is the same on all
@@ -193,7 +193,7 @@ class TwoTiers(OneTier):
         self._report_failed_copy()
         self._warn_failed_deletes()  # the durable tier's, which no save of its own reports
         # A save that is due, once the last local one is done, copies that one to the peers and makes
-        # room (_make_room_to_save); one that is not due waits for nothing.
+        # room (_before_due_save); one that is not due waits for nothing.
         path = self._local.save(
             checkpoint_number, check_interval, step=step, force=force, metrics=metrics, save_dtypes=save_dtypes
         )
